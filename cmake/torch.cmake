@@ -1,0 +1,32 @@
+# The PyTorch op library: links libtorch of the Python environment that builds it. Torch's
+# own CMake package is not used: it drags in its CUDA detection, which the op library (built
+# on the torch-free core) does not need.
+find_package(Python COMPONENTS Interpreter REQUIRED)
+execute_process(
+  COMMAND ${Python_EXECUTABLE} -c
+    "import os, torch; print(os.path.dirname(torch.__file__)); print(int(torch._C._GLIBCXX_USE_CXX11_ABI)); print(torch.__version__)"
+  OUTPUT_VARIABLE _torch_info OUTPUT_STRIP_TRAILING_WHITESPACE RESULT_VARIABLE _torch_rc)
+if(NOT _torch_rc EQUAL 0)
+  message(FATAL_ERROR "VIDATTN_BUILD_TORCH needs torch importable by ${Python_EXECUTABLE}")
+endif()
+string(REPLACE "\n" ";" _torch_info "${_torch_info}")
+list(GET _torch_info 0 VIDATTN_TORCH_DIR)
+list(GET _torch_info 1 VIDATTN_TORCH_CXX11_ABI)
+list(GET _torch_info 2 VIDATTN_TORCH_VERSION)
+message(STATUS "vidattn: building the op library against torch ${VIDATTN_TORCH_VERSION} in ${VIDATTN_TORCH_DIR}")
+
+add_library(vidattn_torch MODULE torch/ops.cpp)
+target_include_directories(vidattn_torch SYSTEM PRIVATE
+  ${VIDATTN_TORCH_DIR}/include
+  ${VIDATTN_TORCH_DIR}/include/torch/csrc/api/include)
+target_compile_definitions(vidattn_torch PRIVATE
+  _GLIBCXX_USE_CXX11_ABI=${VIDATTN_TORCH_CXX11_ABI})
+target_link_libraries(vidattn_torch PRIVATE vidattn
+  ${VIDATTN_TORCH_DIR}/lib/libtorch.so
+  ${VIDATTN_TORCH_DIR}/lib/libtorch_cpu.so
+  ${VIDATTN_TORCH_DIR}/lib/libc10.so)
+set_target_properties(vidattn_torch PROPERTIES PREFIX "" OUTPUT_NAME "_vidattn_ops"
+  CXX_VISIBILITY_PRESET hidden)
+if(SKBUILD)
+  install(TARGETS vidattn_torch LIBRARY DESTINATION vidattn)
+endif()

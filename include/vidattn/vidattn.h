@@ -1,0 +1,7 @@
+// The vidattn C++ API (torch-free). Link vidattn::vidattn.
+#pragma once
+
+#include "vidattn/attention.h"
+#include "vidattn/error.h"
+#include "vidattn/tensor_view.h"
+#include "vidattn/version.h"

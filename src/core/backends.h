@@ -1,0 +1,18 @@
+// Backend entry points. They receive calls that describe_attention has validated.
+#pragma once
+
+#include "vidattn/attention.h"
+
+namespace vidattn::detail {
+
+void cpu_attention_forward(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                           const TensorView& v, const TensorView& out, const TensorView& lse,
+                           const AttentionOptions& options);
+
+void cpu_attention_backward(const AttentionProblem& p, const TensorView& q,
+                            const TensorView& k, const TensorView& v, const TensorView& out,
+                            const TensorView& lse, const TensorView& grad_out,
+                            const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                            const AttentionOptions& options);
+
+}  // namespace vidattn::detail

@@ -1,0 +1,77 @@
+// Argument checking shared by every entry point: messages name the entry point, the
+// argument and what was expected.
+#pragma once
+
+#include <sstream>
+#include <string>
+#include <utility>
+
+#include "vidattn/error.h"
+#include "vidattn/tensor_view.h"
+
+namespace vidattn::detail {
+
+template <class... Parts>
+std::string concat(Parts&&... parts) {
+  std::ostringstream s;
+  (s << ... << std::forward<Parts>(parts));
+  return s.str();
+}
+
+template <class... Parts>
+[[noreturn]] void throw_value_error(Parts&&... parts) {
+  throw ValueError(concat(std::forward<Parts>(parts)...));
+}
+
+template <class... Parts>
+[[noreturn]] void throw_type_error(Parts&&... parts) {
+  throw TypeError(concat(std::forward<Parts>(parts)...));
+}
+
+// One checker per entry point, so every message starts with the function's public name.
+class ArgChecker {
+ public:
+  explicit ArgChecker(const char* function) : function_(function) {}
+
+  void ndim(const TensorView& t, const char* name, int expected, const char* layout) const {
+    if (t.ndim != expected)
+      throw_value_error(function_, ": argument '", name, "' must be ", expected, "-D ", layout,
+                        ", got a ", t.ndim, "-D tensor of shape ", shape_string(t));
+  }
+  void dtype(const TensorView& t, const char* name, DType expected) const {
+    if (t.dtype != expected)
+      throw_type_error(function_, ": argument '", name, "' must have dtype ",
+                       dtype_name(expected), ", got ", dtype_name(t.dtype));
+  }
+  void same_device(const TensorView& t, const char* name, Device expected) const {
+    if (!(t.device == expected))
+      throw_value_error(function_, ": argument '", name, "' must be on ", device_name(expected),
+                        " like q, got ", device_name(t.device));
+  }
+  void dim_equals(const TensorView& t, const char* name, int dim, std::int64_t expected,
+                  const char* what) const {
+    if (t.shape[dim] != expected)
+      throw_value_error(function_, ": argument '", name, "' has shape ", shape_string(t),
+                        "; expected size ", expected, " in dimension ", dim, " (", what, ")");
+  }
+  void unit_last_stride(const TensorView& t, const char* name) const {
+    if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.stride[t.ndim - 1] != 1)
+      throw_value_error(function_, ": argument '", name,
+                        "' must have a unit stride in its last dimension, got stride ",
+                        t.stride[t.ndim - 1]);
+  }
+  void non_null(const TensorView& t, const char* name) const {
+    if (t.data == nullptr && t.numel() > 0)
+      throw_value_error(function_, ": argument '", name, "' has no data pointer");
+  }
+  template <class... Parts>
+  [[noreturn]] void fail(Parts&&... parts) const {
+    throw_value_error(function_, ": ", std::forward<Parts>(parts)...);
+  }
+  const char* function() const { return function_; }
+
+ private:
+  const char* function_;
+};
+
+}  // namespace vidattn::detail

@@ -1,0 +1,79 @@
+// at::Tensor <-> vidattn::TensorView, and vidattn's exceptions as PyTorch's.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <optional>
+#include <string>
+
+#include "vidattn/error.h"
+#include "vidattn/tensor_view.h"
+
+namespace vidattn::torch_ops {
+
+inline DType dtype_of(const at::Tensor& t, const char* fn, const char* name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DType::kFloat32;
+    case at::kHalf: return DType::kFloat16;
+    case at::kBFloat16: return DType::kBFloat16;
+    case at::kDouble: return DType::kFloat64;
+    case at::kInt: return DType::kInt32;
+    case at::kBool: return DType::kBool;
+    default:
+      TORCH_CHECK_TYPE(false, fn, ": argument '", name, "' has unsupported dtype ",
+                       t.scalar_type());
+  }
+}
+
+// True when every size and stride of t is a concrete integer (not a symbolic one).
+inline bool is_concrete(const at::Tensor& t) {
+  for (const auto& s : t.sym_sizes())
+    if (!s.maybe_as_int()) return false;
+  for (const auto& s : t.sym_strides())
+    if (!s.maybe_as_int()) return false;
+  return true;
+}
+
+// A view of t. Meta tensors give views with no data (enough for describe_* checks).
+inline TensorView view_of(const at::Tensor& t, const char* fn, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() <= kMaxDims, fn, ": argument '", name, "' must have at most ",
+                    kMaxDims, " dimensions, got ", t.dim());
+  TensorView v;
+  v.dtype = dtype_of(t, fn, name);
+  v.ndim = static_cast<int>(t.dim());
+  for (int i = 0; i < v.ndim; ++i) {
+    v.shape[i] = t.size(i);
+    v.stride[i] = t.stride(i);
+  }
+  if (t.is_cuda()) {
+    v.device = {DeviceKind::kCUDA, t.get_device()};
+  } else {
+    v.device = {DeviceKind::kCPU, 0};
+  }
+  v.data = t.is_meta() ? nullptr : t.data_ptr();
+  return v;
+}
+
+inline std::optional<TensorView> view_of(const std::optional<at::Tensor>& t, const char* fn,
+                                         const char* name) {
+  if (!t || !t->defined()) return std::nullopt;
+  return view_of(*t, fn, name);
+}
+
+// Runs f, turning vidattn's exceptions into the PyTorch ones Python maps to ValueError,
+// TypeError and NotImplementedError.
+template <class F>
+decltype(auto) translate_errors(F&& f) {
+  try {
+    return f();
+  } catch (const vidattn::TypeError& e) {
+    TORCH_CHECK_TYPE(false, e.what());
+  } catch (const vidattn::ValueError& e) {
+    TORCH_CHECK_VALUE(false, e.what());
+  } catch (const vidattn::NotImplementedError& e) {
+    TORCH_CHECK_NOT_IMPLEMENTED(false, e.what());
+  }
+}
+
+}  // namespace vidattn::torch_ops
