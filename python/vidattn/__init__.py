@@ -1,0 +1,17 @@
+"""vidattn: attention kernels for video diffusion transformers.
+
+Every function here is a thin door onto one ``torch.ops.vidattn`` op, whose schema, kernels
+(CPU, Meta) and autograd are registered in C++.
+"""
+from __future__ import annotations
+
+import os as _os
+
+import torch as _torch
+
+_torch.ops.load_library(_os.path.join(_os.path.dirname(__file__), "_vidattn_ops.so"))
+
+from ._attention import attention, attention_varlen  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["attention", "attention_varlen", "__version__"]

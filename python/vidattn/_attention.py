@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+_ops = torch.ops.vidattn
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    key_padding_mask: Optional[torch.Tensor] = None,
+    query_padding_mask: Optional[torch.Tensor] = None,
+    return_lse: bool = False,
+):
+    """Softmax attention over ``[B, S, H, D]`` tensors (any strides, unit stride on D).
+
+    q ``[B, Sq, Hq, D]``, k ``[B, Sk, Hkv, D]``, v ``[B, Sk, Hkv, Dv]`` with Hq a multiple of
+    Hkv. Returns out ``[B, Sq, Hq, Dv]`` and, with ``return_lse``, the log-sum-exp of the
+    scaled scores ``[B, Hq, Sq]`` (float32, natural log; float64 for float64 inputs).
+
+    ``scale`` defaults to 1/sqrt(D). ``causal`` aligns to the bottom-right corner: query i
+    sees key j iff j <= i + Sk - Sq. Masks are bool, True marks a valid token: keys
+    ``[B, Sk]``, queries ``[B, Sq]`` (padded query rows output 0). A row that sees no key
+    outputs 0 with LSE -inf and gets zero gradient.
+    """
+    out, lse = _ops.attention(
+        q, k, v, scale=scale, causal=causal,
+        key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask)
+    return (out, lse) if return_lse else out
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    scale: Optional[float] = None,
+    causal: bool = False,
+    return_lse: bool = False,
+):
+    """Attention over packed variable-length sequences.
+
+    q ``[Tq, Hq, D]``, k ``[Tk, Hkv, D]``, v ``[Tk, Hkv, Dv]``; sequence i owns rows
+    ``cu_seqlens[i]:cu_seqlens[i+1]`` (int32, on the tensors' device, starting at 0 and ending
+    at the row count). Returns out ``[Tq, Hq, Dv]`` and, with ``return_lse``, LSE ``[Hq, Tq]``.
+    Causal alignment is per sequence.
+    """
+    out, lse = _ops.attention_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+        scale=scale, causal=causal)
+    return (out, lse) if return_lse else out

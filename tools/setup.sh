@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine for vidattn: system packages (Debian), the virtual environment at
+# .venv with the pinned Python packages, and vidattn itself built into it. Idempotent: a
+# second run only rebuilds what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need_apt=()
+command -v cmake >/dev/null || need_apt+=(cmake)
+command -v g++ >/dev/null || need_apt+=(g++)
+[ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
+ls /usr/lib/*/openblas-serial/libopenblas.so >/dev/null 2>&1 || need_apt+=(libopenblas-serial-dev)
+python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
+if [ ${#need_apt[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${need_apt[*]}"
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${need_apt[@]}" >/dev/null
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+stamp=.venv/.vidattn-requirements
+if ! cmp -s requirements/dev.txt "$stamp"; then
+  echo "setup: installing Python packages (requirements/dev.txt)"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -r requirements/dev.txt
+  cp requirements/dev.txt "$stamp"
+fi
+
+echo "setup: building vidattn into .venv"
+.venv/bin/python -m pip install -q --no-build-isolation --no-deps .
+.venv/bin/python -c 'import vidattn; print("setup: vidattn", vidattn.__version__, "ready in .venv")'
