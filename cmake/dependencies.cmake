@@ -3,15 +3,18 @@ find_package(OpenMP REQUIRED COMPONENTS CXX)
 
 set(VIDATTN_HAVE_CBLAS OFF)
 if(VIDATTN_USE_BLAS)
-  # Prefer Debian's single-threaded OpenBLAS: vidattn runs one BLAS call per thread itself.
+  # Debian's OpenMP build of OpenBLAS: vidattn calls it from its own OpenMP threads, where it
+  # runs single-threaded, and it is safe to call concurrently (the serial build is not: it
+  # shares one buffer pool without locks).
   set(_openblas_hints
-    /usr/lib/${CMAKE_LIBRARY_ARCHITECTURE}/openblas-serial
-    /usr/include/${CMAKE_LIBRARY_ARCHITECTURE}/openblas-serial)
+    /usr/lib/${CMAKE_LIBRARY_ARCHITECTURE}/openblas-openmp
+    /usr/include/${CMAKE_LIBRARY_ARCHITECTURE}/openblas-openmp)
   find_library(VIDATTN_CBLAS_LIBRARY NAMES openblas HINTS ${_openblas_hints})
   find_path(VIDATTN_CBLAS_INCLUDE_DIR cblas.h HINTS ${_openblas_hints}
     PATH_SUFFIXES openblas)
   if(VIDATTN_CBLAS_LIBRARY AND VIDATTN_CBLAS_INCLUDE_DIR)
     set(VIDATTN_HAVE_CBLAS ON)
+    get_filename_component(VIDATTN_CBLAS_LIBRARY_DIR "${VIDATTN_CBLAS_LIBRARY}" DIRECTORY)
     message(STATUS "vidattn: CPU block products on OpenBLAS ${VIDATTN_CBLAS_LIBRARY}")
   else()
     message(STATUS "vidattn: OpenBLAS not found; CPU block products use plain loops (slow)")

@@ -27,6 +27,9 @@ target_link_libraries(vidattn_torch PRIVATE vidattn
   ${VIDATTN_TORCH_DIR}/lib/libc10.so)
 set_target_properties(vidattn_torch PROPERTIES PREFIX "" OUTPUT_NAME "_vidattn_ops"
   CXX_VISIBILITY_PRESET hidden)
+if(VIDATTN_HAVE_CBLAS)  # the BLAS build found at configure time, not whatever the loader picks
+  set_target_properties(vidattn_torch PROPERTIES INSTALL_RPATH "${VIDATTN_CBLAS_LIBRARY_DIR}")
+endif()
 if(SKBUILD)
   install(TARGETS vidattn_torch LIBRARY DESTINATION vidattn)
 endif()

@@ -9,7 +9,7 @@ need_apt=()
 command -v cmake >/dev/null || need_apt+=(cmake)
 command -v g++ >/dev/null || need_apt+=(g++)
 [ -f /usr/include/gtest/gtest.h ] || need_apt+=(libgtest-dev)
-ls /usr/lib/*/openblas-serial/libopenblas.so >/dev/null 2>&1 || need_apt+=(libopenblas-serial-dev)
+ls /usr/lib/*/openblas-openmp/libopenblas.so >/dev/null 2>&1 || need_apt+=(libopenblas-openmp-dev)
 python3 -c 'import venv, ensurepip' 2>/dev/null || need_apt+=(python3-venv)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${need_apt[*]}"

@@ -25,7 +25,7 @@ using cpu::visit_float_dtype;
 
 // Block sizes: the forward and both backward passes use the same grid, so the logits they
 // compute for one (query, key) pair are bit-identical.
-constexpr int kBlockQ = 64;
+constexpr int kBlockQ = 128;
 constexpr int kBlockK = 256;
 
 // Where row r (a token) and head h of a [B, S, H, ...] or varlen [T, H, ...] tensor live;
@@ -98,7 +98,7 @@ Sequences resolve_sequences(const ArgChecker& check, const AttentionProblem& p,
 // Packs [rows, heads, dim] of a strided tensor into contiguous [heads][rows][dim].
 template <class Acc>
 std::vector<Acc> pack(const TensorView& t, bool varlen, std::int64_t rows, std::int64_t heads,
-                      std::int64_t dim, int threads) {
+                      std::int64_t dim, int threads, Acc mul = Acc(1)) {
   std::vector<Acc> out(static_cast<std::size_t>(rows * heads * dim));
   const RowLayout layout = token_rows(t, varlen);
   visit_float_dtype(t.dtype, [&](auto tag) {
@@ -109,7 +109,7 @@ std::vector<Acc> pack(const TensorView& t, bool varlen, std::int64_t rows, std::
       const std::int64_t h = hr / rows, r = hr % rows;
       const auto* in = src + layout.offset(r, h);
       Acc* o = out.data() + hr * dim;
-      for (std::int64_t d = 0; d < dim; ++d) o[d] = S::template load<Acc>(in[d]);
+      for (std::int64_t d = 0; d < dim; ++d) o[d] = S::template load<Acc>(in[d]) * mul;
     }
   });
   return out;
@@ -162,7 +162,9 @@ struct Context {
         rows_k(kt.shape[0] * (problem.varlen ? 1 : kt.shape[1])),
         has_key_mask(o.key_padding_mask.has_value()),
         threads(o.num_threads > 0 ? o.num_threads : omp_get_max_threads()) {
-    q = pack<Acc>(qt, p.varlen, rows_q, p.heads_q, p.head_dim, threads);
+    // q is packed pre-multiplied by the softmax scale: the logits come straight out of the
+    // block product, and forward and backward share this one rounding.
+    q = pack<Acc>(qt, p.varlen, rows_q, p.heads_q, p.head_dim, threads, Acc(p.scale));
     k = pack<Acc>(kt, p.varlen, rows_k, p.heads_kv, p.head_dim, threads);
     v = pack<Acc>(vt, p.varlen, rows_k, p.heads_kv, p.head_dim_v, threads);
     if (!p.varlen) {
@@ -191,21 +193,19 @@ struct Context {
   }
 
   // Scaled, masked logits S[rows x cols] (leading dim kBlockK) of queries i0.. of head hq
-  // against keys j0.. of sequence b. The forward and the backward both call this, so the
-  // backward recomputes exactly the forward's logits.
+  // against keys j0.. of sequence b (q is packed pre-scaled). The forward and the backward
+  // both call this, so the backward recomputes exactly the forward's logits.
   void scores(std::int64_t b, std::int64_t hq, std::int64_t i0, int rows, std::int64_t j0,
               int cols, Acc* S) const {
     const int D = static_cast<int>(p.head_dim);
     cpu::gemm_nt<Acc>(rows, cols, D, q_rows(hq, seq.q_start[b] + i0), D,
                       k_rows(kv_head(hq), seq.k_start[b] + j0), D, Acc(0), S, kBlockK);
-    const Acc scale = static_cast<Acc>(p.scale);
     const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
     const std::int64_t causal_shift = seq.k_len[b] - seq.q_len[b];
     const std::uint8_t* kv = has_key_mask ? k_valid.data() + seq.k_start[b] + j0 : nullptr;
+    if (!p.causal && !kv) return;
     for (int r = 0; r < rows; ++r) {
       Acc* s = S + r * kBlockK;
-#pragma omp simd
-      for (int c = 0; c < cols; ++c) s[c] *= scale;
       if (p.causal) {
         const std::int64_t last = i0 + r + causal_shift - j0;  // last visible column
         for (std::int64_t c = std::max<std::int64_t>(last + 1, 0); c < cols; ++c) s[c] = neg_inf;
@@ -250,6 +250,7 @@ void forward(const AttentionProblem& p, const TensorView& qt, const TensorView& 
         for (int r = 0; r < rows; ++r) {
           Acc* s = S.data() + r * kBlockK;
           Acc row_max = neg_inf;
+#pragma omp simd reduction(max : row_max)
           for (int x = 0; x < cols; ++x) row_max = std::max(row_max, s[x]);
           const Acc m_new = std::max(m[r], row_max);
           if (m_new == neg_inf) {  // nothing visible yet: keep the row empty, avoid inf - inf
@@ -379,7 +380,8 @@ void backward(const AttentionProblem& p, const TensorView& qt, const TensorView&
         }
       for (int x = 0; x < cols; ++x) {
         const std::int64_t row = c.seq.k_start[b] + j0 + x;
-        store_row<Acc>(dk, dk_layout.offset(row, hk), dk_acc.data() + x * D, D, scale);
+        // dK = scale * dS^T Q: the scale is already in the packed q.
+        store_row<Acc>(dk, dk_layout.offset(row, hk), dk_acc.data() + x * D, D, Acc(1));
         store_row<Acc>(dv, dv_layout.offset(row, hk), dv_acc.data() + x * Dv, Dv, Acc(1));
       }
     }
