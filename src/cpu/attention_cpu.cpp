@@ -9,6 +9,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -16,12 +17,26 @@
 #include "../core/backends.h"
 #include "../core/check.h"
 #include "cpu_math.h"
+#include "microkernels_avx2.h"
 
 namespace vidattn::detail {
 namespace {
 
 using cpu::Storage;
 using cpu::visit_float_dtype;
+#if VIDATTN_CPU_AVX2
+namespace avx2 = cpu::avx2;
+#endif
+
+#if VIDATTN_CPU_AVX2
+constexpr bool kHaveAvx2 = true;
+#else
+constexpr bool kHaveAvx2 = false;
+#endif
+// The float path computes logits and P @ V with the AVX2 register tiles (k packed in
+// panels); float64, and machines without AVX2, use BLAS.
+template <class Acc>
+constexpr bool kUseTiles = kHaveAvx2 && std::is_same_v<Acc, float>;
 
 // Block sizes: the forward and both backward passes use the same grid, so the logits they
 // compute for one (query, key) pair are bit-identical.
@@ -167,6 +182,7 @@ struct Context {
     q = pack<Acc>(qt, p.varlen, rows_q, p.heads_q, p.head_dim, threads, Acc(p.scale));
     k = pack<Acc>(kt, p.varlen, rows_k, p.heads_kv, p.head_dim, threads);
     v = pack<Acc>(vt, p.varlen, rows_k, p.heads_kv, p.head_dim_v, threads);
+    if constexpr (kUseTiles<Acc>) pack_k_panels();
     if (!p.varlen) {
       k_valid = pack_mask(o.key_padding_mask, p.batch, p.seqlen_k);
       q_valid = pack_mask(o.query_padding_mask, p.batch, p.seqlen_q);
@@ -174,6 +190,34 @@ struct Context {
       q_valid.assign(static_cast<std::size_t>(rows_q), 1);
     }
   }
+
+#if VIDATTN_CPU_AVX2
+  // k of every (head, sequence) in 16-key panels, each sequence starting on a new panel.
+  std::vector<float> k_panels;
+  std::vector<std::int64_t> panel_row0;  // first panel row of each sequence
+  std::int64_t panel_rows = 0;           // panel rows per head
+
+  void pack_k_panels() {
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      panel_row0.push_back(panel_rows);
+      panel_rows += (seq.k_len[b] + avx2::kPanel - 1) / avx2::kPanel * avx2::kPanel;
+    }
+    k_panels.resize(static_cast<std::size_t>(p.heads_kv * panel_rows * p.head_dim));
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+    for (std::int64_t h = 0; h < p.heads_kv; ++h)
+      for (std::int64_t b = 0; b < p.batch; ++b)
+        avx2::pack_panels(k_rows(h, seq.k_start[b]), static_cast<int>(seq.k_len[b]),
+                          static_cast<int>(p.head_dim), k_panel(h, b, 0));
+  }
+  float* k_panel(std::int64_t h, std::int64_t b, std::int64_t j0) {
+    return k_panels.data() + (h * panel_rows + panel_row0[b] + j0) * p.head_dim;
+  }
+  const float* k_panel(std::int64_t h, std::int64_t b, std::int64_t j0) const {
+    return k_panels.data() + (h * panel_rows + panel_row0[b] + j0) * p.head_dim;
+  }
+#else
+  void pack_k_panels() {}
+#endif
 
   std::int64_t kv_head(std::int64_t hq) const { return hq / (p.heads_q / p.heads_kv); }
   const Acc* q_rows(std::int64_t h, std::int64_t row) const {
@@ -198,8 +242,15 @@ struct Context {
   void scores(std::int64_t b, std::int64_t hq, std::int64_t i0, int rows, std::int64_t j0,
               int cols, Acc* S) const {
     const int D = static_cast<int>(p.head_dim);
-    cpu::gemm_nt<Acc>(rows, cols, D, q_rows(hq, seq.q_start[b] + i0), D,
-                      k_rows(kv_head(hq), seq.k_start[b] + j0), D, Acc(0), S, kBlockK);
+#if VIDATTN_CPU_AVX2
+    if constexpr (kUseTiles<Acc>)
+      avx2::gemm_nt_panels(rows, (cols + avx2::kPanel - 1) / avx2::kPanel, D,
+                           q_rows(hq, seq.q_start[b] + i0), D, k_panel(kv_head(hq), b, j0), S,
+                           kBlockK);
+    else
+#endif
+      cpu::gemm_nt<Acc>(rows, cols, D, q_rows(hq, seq.q_start[b] + i0), D,
+                        k_rows(kv_head(hq), seq.k_start[b] + j0), D, Acc(0), S, kBlockK);
     const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
     const std::int64_t causal_shift = seq.k_len[b] - seq.q_len[b];
     const std::uint8_t* kv = has_key_mask ? k_valid.data() + seq.k_start[b] + j0 : nullptr;
@@ -272,9 +323,15 @@ void forward(const AttentionProblem& p, const TensorView& qt, const TensorView& 
           l[r] = l[r] * alpha + sum;
           m[r] = m_new;
         }
-        cpu::gemm_nn<Acc>(rows, static_cast<int>(Dv), cols, S.data(), kBlockK,
-                          c.v_rows(c.kv_head(h), c.seq.k_start[b] + j0), static_cast<int>(Dv),
-                          Acc(1), acc.data(), static_cast<int>(Dv));
+        const Acc* v_block = c.v_rows(c.kv_head(h), c.seq.k_start[b] + j0);
+#if VIDATTN_CPU_AVX2
+        if constexpr (kUseTiles<Acc>)
+          avx2::gemm_nn_acc(rows, static_cast<int>(Dv), cols, S.data(), kBlockK, v_block,
+                            static_cast<int>(Dv), acc.data(), static_cast<int>(Dv));
+        else
+#endif
+          cpu::gemm_nn<Acc>(rows, static_cast<int>(Dv), cols, S.data(), kBlockK, v_block,
+                            static_cast<int>(Dv), Acc(1), acc.data(), static_cast<int>(Dv));
       }
       for (int r = 0; r < rows; ++r) {
         const std::int64_t row = c.seq.q_start[b] + i0 + r;
@@ -422,6 +479,7 @@ void cpu_attention_forward(const AttentionProblem& p, const TensorView& q, const
                            const TensorView& v, const TensorView& out, const TensorView& lse,
                            const AttentionOptions& options) {
   const ArgChecker check("vidattn::attention_forward");
+  cpu::blas_use_one_thread();
   if (p.dtype == DType::kFloat64)
     forward<double>(p, q, k, v, out, lse, options, check);
   else
@@ -434,6 +492,7 @@ void cpu_attention_backward(const AttentionProblem& p, const TensorView& q,
                             const TensorView& dq, const TensorView& dk, const TensorView& dv,
                             const AttentionOptions& options) {
   const ArgChecker check("vidattn::attention_backward");
+  cpu::blas_use_one_thread();
   if (p.dtype == DType::kFloat64)
     backward<double>(p, q, k, v, out, lse, grad_out, dq, dk, dv, options, check);
   else
