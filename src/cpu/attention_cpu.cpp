@@ -269,6 +269,27 @@ struct Context {
 };
 
 template <class Acc>
+Acc row_max(const Acc* s, int n) {
+#if VIDATTN_CPU_AVX2
+  if constexpr (kUseTiles<Acc>) return avx2::row_max(s, n);
+#endif
+  Acc result = -std::numeric_limits<Acc>::infinity();
+  for (int x = 0; x < n; ++x) result = std::max(result, s[x]);
+  return result;
+}
+
+// s[x] = exp(s[x] - shift); returns their sum.
+template <class Acc>
+Acc exp_shift_sum(Acc* s, int n, Acc shift) {
+#if VIDATTN_CPU_AVX2
+  if constexpr (kUseTiles<Acc>) return avx2::exp_shift_sum(s, n, shift);
+#endif
+  Acc sum = 0;
+  for (int x = 0; x < n; ++x) sum += (s[x] = cpu::exp_approx(s[x] - shift));
+  return sum;
+}
+
+template <class Acc>
 void forward(const AttentionProblem& p, const TensorView& qt, const TensorView& kt,
              const TensorView& vt, const TensorView& out, const TensorView& lse,
              const AttentionOptions& o, const ArgChecker& check) {
@@ -300,20 +321,12 @@ void forward(const AttentionProblem& p, const TensorView& qt, const TensorView& 
         c.scores(b, h, i0, rows, j0, cols, S.data());
         for (int r = 0; r < rows; ++r) {
           Acc* s = S.data() + r * kBlockK;
-          Acc row_max = neg_inf;
-#pragma omp simd reduction(max : row_max)
-          for (int x = 0; x < cols; ++x) row_max = std::max(row_max, s[x]);
-          const Acc m_new = std::max(m[r], row_max);
+          const Acc m_new = std::max(m[r], row_max(s, cols));
           if (m_new == neg_inf) {  // nothing visible yet: keep the row empty, avoid inf - inf
             std::fill(s, s + cols, Acc(0));
             continue;
           }
-          Acc sum = 0;
-#pragma omp simd reduction(+ : sum)
-          for (int x = 0; x < cols; ++x) {
-            s[x] = cpu::exp_approx(s[x] - m_new);
-            sum += s[x];
-          }
+          const Acc sum = exp_shift_sum(s, cols, m_new);
           const Acc alpha = cpu::exp_approx(m[r] - m_new);
           if (alpha != Acc(1)) {
             Acc* a = acc.data() + r * Dv;

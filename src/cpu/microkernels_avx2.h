@@ -120,5 +120,71 @@ inline void gemm_nn_acc(int rows, int N, int K, const float* A, int lda, const f
     }
 }
 
+// exp of 8 floats: the polynomial of cpu::exp_approx (same constants, same results up to
+// FMA contraction); inputs below the float range, -inf included, give exactly 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ);
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
+  const __m256 n = _mm256_floor_ps(
+      _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.0f));
+  const __m256i bits = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(y, _mm256_castsi256_ps(bits)));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float hmax8(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// max of s[0, n), -inf for n == 0.
+inline float row_max(const float* s, int n) {
+  __m256 m = _mm256_set1_ps(-__builtin_inff());
+  int x = 0;
+  for (; x + 8 <= n; x += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + x));
+  float result = hmax8(m);
+  for (; x < n; ++x) result = std::max(result, s[x]);
+  return result;
+}
+
+// s[x] = exp(s[x] - shift) for x in [0, n); returns the sum of the new values.
+inline float exp_shift_sum(float* s, int n, float shift) {
+  const __m256 vshift = _mm256_set1_ps(shift);
+  __m256 sum = _mm256_setzero_ps();
+  int x = 0;
+  for (; x + 8 <= n; x += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + x), vshift));
+    _mm256_storeu_ps(s + x, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  if (x < n) {  // tail: pad with -inf, which exp8 maps to 0
+    alignas(32) float tail[8];
+    for (int i = 0; i < 8; ++i) tail[i] = x + i < n ? s[x + i] - shift : -__builtin_inff();
+    const __m256 e = exp8(_mm256_load_ps(tail));
+    _mm256_store_ps(tail, e);
+    for (int i = 0; x + i < n; ++i) s[x + i] = tail[i];
+    sum = _mm256_add_ps(sum, e);
+  }
+  return hsum8(sum);
+}
+
 }  // namespace vidattn::cpu::avx2
 #endif
