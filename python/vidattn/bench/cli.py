@@ -42,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cases", type=_csv, default=["dense"], help="comma list (default: dense)")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed runs per row (default: CPU adapts to ~0.5 s a row group, 3-50 "
-                        "runs (7+ for cpu-4k); CUDA uses do_bench's own count, or CUDA events with this many)")
+                        "runs (7+ for cpu-4k); CUDA uses do_bench's own count, or CUDA "
+                        "events with this many)")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed runs before timing, besides the accuracy run (default 1 CPU, "
                         "3 CUDA events)")

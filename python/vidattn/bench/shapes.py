@@ -8,7 +8,8 @@ from typing import Optional, Sequence
 
 @dataclass(frozen=True)
 class Shape:
-    """One attention problem: q ``[batch, q_len, heads, head_dim]``, k/v ``[batch, kv_len, ...]``."""
+    """One attention problem: q ``[batch, q_len, heads, head_dim]``, k and v
+    ``[batch, kv_len, heads, head_dim]``."""
 
     batch: int
     heads: int
@@ -64,7 +65,8 @@ _SPEC = re.compile(r"^b(\d+)h(\d+)s(\d+)(?:k(\d+))?d(\d+)(c?)$")
 
 
 def parse_shape(spec: str) -> Shape:
-    """``b1h4s1024d64`` (add ``k512`` after the q length for another kv length, ``c`` for causal)."""
+    """``b1h4s1024d64``; ``k512`` after the q length sets another kv length, a trailing ``c``
+    makes it causal."""
     m = _SPEC.match(spec.strip().lower())
     if not m:
         raise ValueError(f"--shapes: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a "
