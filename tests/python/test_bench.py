@@ -14,9 +14,11 @@ import pytest
 import torch
 
 import vidattn
-from vidattn.bench import environment, reference, shapes
-from vidattn.bench.cases import DenseCase, VidattnDense, SdpaDense
-from vidattn.bench.runner import direction_flops
+from vidattn.bench import environment, reference, report, shapes
+from vidattn.bench.cases import DenseCase, Impl, SdpaDense, VidattnDense, cases_for
+from vidattn.bench.plot import write_plot
+from vidattn.bench.runner import Plan, direction_flops, run_plan
+from vidattn.bench.timing import CpuTimer
 
 
 def _run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -93,13 +95,15 @@ def _naive_float64(q, k, v, causal):
 @pytest.mark.parametrize("q_len,kv_len,causal", [(37, 37, False), (37, 37, True),
                                                   (19, 45, True), (45, 19, False)])
 def test_reference_matches_naive_float64(monkeypatch, q_len, kv_len, causal):
-    # Small score blocks, so the chunked loops run several blocks with a partial last one.
-    monkeypatch.setitem(reference._SCORE_BLOCK_ELEMS, "cpu", 8 * kv_len)
+    # Blocks of 8 query rows (B2 x H3 x 8 x kv_len scores), so the chunked loops run several
+    # blocks with a partial last one.
+    monkeypatch.setitem(reference._SCORE_BLOCK_ELEMS, "cpu", 2 * 3 * 8 * kv_len)
     g = torch.Generator().manual_seed(1234 + q_len + kv_len + causal)
     q = torch.randn(2, q_len, 3, 16, generator=g, dtype=torch.float64) * 4
     k = torch.randn(2, kv_len, 3, 16, generator=g, dtype=torch.float64) * 4
     v = torch.randn(2, kv_len, 3, 16, generator=g, dtype=torch.float64)
     grad_out = torch.randn(2, q_len, 3, 16, generator=g, dtype=torch.float64)
+    assert reference._row_chunk(q.transpose(1, 2), kv_len) == 8
 
     out, lse = reference.attention_forward(q, k, v, causal=causal)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -129,6 +133,52 @@ def test_max_abs_error_flags_nan():
                                    torch.zeros(2, dtype=torch.float64)) == float("inf")
     assert reference.max_abs_error(torch.tensor([1.0, -3.0]),
                                    torch.zeros(2, dtype=torch.float64)) == 3.0
+
+
+class _NoKernelHere(Impl):
+    """Stands in for vidattn on a device it has no kernel for (CUDA today)."""
+
+    name, backend, is_ours = "vidattn", "test", True
+
+    def forward(self, inputs):
+        raise NotImplementedError("Could not run 'vidattn::attention' with arguments from the "
+                                  "'CUDA' backend.")
+
+
+def test_runner_keeps_unimplemented_rows_as_skipped(tmp_path):
+    case = DenseCase([_NoKernelHere(), SdpaDense()], peer_order=("sdpa",))
+    plan = Plan(shapes=[shapes.Shape(1, 2, 16, 24, 8)], dtypes=["fp32"],
+                directions=["fwd", "bwd"], cases=[case], device=torch.device("cpu"),
+                timer=CpuTimer(warmup=0, repeats=1))
+    rows = run_plan(plan)
+    assert [(r["impl"], r["direction"], r["status"]) for r in rows] == [
+        ("vidattn", "fwd", "skipped"), ("sdpa", "fwd", "ok"),
+        ("vidattn", "bwd", "skipped"), ("sdpa", "bwd", "ok")]
+    for r in rows:
+        if r["status"] == "skipped":
+            assert "not implemented on cpu" in r["note"] and "median_ms" not in r
+            assert r["ratio_to_peer"] is None
+        else:
+            assert r["max_abs_err"] < 1e-5 and r["peer"] == "sdpa"
+    table = report.format_table(rows)
+    assert table.count("skipped") == 2
+    meta = {"device": "cpu-test-1t", "device_description": "test", "threads": 1,
+            "torch_version": torch.__version__, "git_commit": None, "timer": "test"}
+    assert "skipped: vidattn: not implemented on cpu" in report.format_notes(rows, meta)
+    report.write_json(tmp_path / "r.json", meta, rows)
+    assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 4
+    write_plot(tmp_path / "r.png", rows, "test")
+    assert (tmp_path / "r.png").stat().st_size > 0
+
+
+def test_cuda_peers_say_why_they_skip_elsewhere():
+    impls = {i.name: i for i in cases_for(torch.device("cuda"))[0].impls}
+    assert set(impls) == {"vidattn", "sdpa", "sdpa-cudnn", "sdpa-flash"}
+    shape = shapes.Shape(1, 1, 8, 8, 8)
+    assert impls["sdpa-cudnn"].skip_reason(torch.device("cpu"), torch.bfloat16, shape)
+    assert "fp16/bf16" in impls["sdpa-flash"].skip_reason(torch.device("cuda"), torch.float32,
+                                                           shape)
+    assert impls["sdpa-flash"].skip_reason(torch.device("cuda"), torch.bfloat16, shape) is None
 
 
 def test_flop_counting():
@@ -161,6 +211,17 @@ def test_reference_scope_shrinks_for_big_shapes():
     assert scope.batches == 1 and 1 <= scope.heads < wan.heads
     assert scope.label == f"b1/1 h{scope.heads}/40"
     assert reference.choose_scope(wan, "fwd", "cuda", max_heads=1).heads == 1
+
+
+def test_default_out_names_non_default_presets():
+    from vidattn.bench.cli import default_out
+
+    meta = {"device": "cpu-X-2t", "date": "2026-11-29"}
+    assert default_out(meta, None, "quick").name == "cpu-X-2t-2026-11-29.json"
+    assert default_out(meta, ["quick"], "quick").name == "cpu-X-2t-2026-11-29.json"
+    assert default_out(meta, ["cpu-4k"], "quick").name == "cpu-X-2t-cpu-4k-2026-11-29.json"
+    assert default_out(meta, ["b1h1s8d8"], "quick").name == "cpu-X-2t-custom-2026-11-29.json"
+    assert default_out(meta, None, "quick").parent.parts[-2:] == ("bench", "results")
 
 
 def test_device_names_are_file_safe():

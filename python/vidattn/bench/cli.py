@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU threads for vidattn and the peers alike (torch.set_num_threads; "
                         "default: torch's current setting)")
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON path (default bench/results/<device>-<YYYY-MM-DD>.json in the git "
-                        "checkout of the current directory); the PNG goes next to it")
+                   help="JSON path (default bench/results/<device>[-<preset>]-<YYYY-MM-DD>.json in "
+                        "the git checkout of the current directory, the preset named unless it "
+                        "is the device's default); the PNG goes next to it")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--seed", type=int, default=0, help="base seed of the random inputs")
@@ -77,6 +78,15 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     bad = [d for d in (args.dtype or []) if d not in cases_mod.DTYPES]
     if bad:
         parser.error(f"--dtype: expected some of {sorted(cases_mod.DTYPES)}, got {bad}")
+
+
+def default_out(meta: dict, shape_args: Optional[list[str]], default_preset: str) -> Path:
+    """``bench/results/<device>-<date>.json`` for the device's default preset; other runs add
+    their preset (or ``custom``) after the device, so that they do not overwrite it."""
+    names = shape_args or [default_preset]
+    tag = names[0] if len(names) == 1 and names[0] in shapes_mod.PRESETS else "custom"
+    stem = meta["device"] + ("" if tag == default_preset else f"-{tag}")
+    return environment.repo_root() / "bench" / "results" / f"{stem}-{meta['date']}.json"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -110,8 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     meta = environment.metadata(device, threads, argv)
     meta.update(timer=plan.timer.name, seed=args.seed, input_scale=args.input_scale)
-    out = args.out or (environment.repo_root() / "bench" / "results"
-                       / f"{meta['device']}-{meta['date']}.json")
+    out = args.out or default_out(meta, args.shapes, DEFAULT_PRESET[device.type])
 
     from tqdm import tqdm
 

@@ -71,8 +71,12 @@ def _key_mask(rows: torch.Tensor, q_len: int, kv_len: int, device) -> torch.Tens
     return keys[None, :] <= (rows[:, None] + (kv_len - q_len))
 
 
-def _row_chunk(q_len: int, kv_len: int, device_type: str) -> int:
-    return max(1, min(q_len, _SCORE_BLOCK_ELEMS.get(device_type, 1 << 24) // max(kv_len, 1)))
+def _row_chunk(q: torch.Tensor, kv_len: int) -> int:
+    """Query rows per block so that the block's scores over all (batch, head) pairs of the
+    ``[B, H, Sq, D]`` tensor ``q`` stay within the element budget."""
+    batch_heads = q.shape[0] * q.shape[1]
+    budget = _SCORE_BLOCK_ELEMS.get(q.device.type, 1 << 24)
+    return max(1, min(q.shape[-2], budget // max(kv_len * batch_heads, 1)))
 
 
 def _probabilities(q_blk, k, scale, causal, rows, q_len, lse=None):
@@ -99,7 +103,7 @@ def attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     q_len = q64.shape[-2]
     out = torch.empty(*q64.shape[:-1], v64.shape[-1], dtype=torch.float64, device=q.device)
     lse = torch.empty(q64.shape[:-1], dtype=torch.float64, device=q.device)
-    chunk = _row_chunk(q_len, k64.shape[-2], q.device.type)
+    chunk = _row_chunk(q64, k64.shape[-2])
     for start in range(0, q_len, chunk):
         stop = min(start + chunk, q_len)
         rows = torch.arange(start, stop, device=q.device)
@@ -119,7 +123,7 @@ def attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     do64, o64 = _to_bhsd64(grad_out), out.transpose(1, 2)
     q_len = q64.shape[-2]
     dq, dk, dv = torch.empty_like(q64), torch.zeros_like(k64), torch.zeros_like(v64)
-    chunk = _row_chunk(q_len, k64.shape[-2], q.device.type)
+    chunk = _row_chunk(q64, k64.shape[-2])
     for start in range(0, q_len, chunk):
         stop = min(start + chunk, q_len)
         rows = torch.arange(start, stop, device=q.device)
