@@ -45,8 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "runs (7+ for cpu-4k); CUDA uses do_bench's own count, or CUDA "
                         "events with this many)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="untimed runs before timing, besides the accuracy run (default 1 CPU, "
-                        "3 CUDA events)")
+                   help="untimed runs before timing, besides the first (accuracy) run, which "
+                        "warms up too (default 0 on CPU, 3 before CUDA events)")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for vidattn and the peers alike (torch.set_num_threads; "
                         "default: torch's current setting)")

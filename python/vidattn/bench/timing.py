@@ -1,11 +1,11 @@
-"""Timers. CPU: ``time.perf_counter`` around synchronous calls, warm-up, then the median of N
-rounds, the implementations of one row group interleaved round by round so that load from
-other processes falls on all of them alike. CUDA: ``triton.testing.do_bench`` (median) when
+"""Timers. CPU: ``time.perf_counter`` around synchronous calls; after warm-up (the runner's
+first call, which feeds the accuracy check, plus ``warmup`` more), the median of N rounds,
+the implementations of one row group interleaved round by round so that load from other
+processes falls on all of them alike. CUDA: ``triton.testing.do_bench`` (median) when
 triton imports, else CUDA events, each after warm-up.
 """
 from __future__ import annotations
 
-import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -13,7 +13,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-# CPU rounds when --repeats is not given: enough for ~TARGET seconds a row group, within bounds.
+# CPU rounds when --repeats is not given: until ~TARGET seconds a row group, within bounds.
 CPU_TARGET_S = 0.5
 CPU_MAX_REPEATS = 50
 
@@ -29,25 +29,31 @@ class CpuTimer:
     name = "time.perf_counter (interleaved rounds)"
     interleaves = True
 
-    def __init__(self, warmup: int = 1, repeats: Optional[int] = None, min_repeats: int = 3):
+    def __init__(self, warmup: int = 0, repeats: Optional[int] = None, min_repeats: int = 3):
         self.warmup, self.repeats, self.min_repeats = warmup, repeats, min_repeats
 
     def measure_group(self, fns: Sequence[Callable[[], object]]) -> list[Timing]:
-        round_s = 0.0
+        """Rounds of one call each: ``repeats`` of them, or by default until ~CPU_TARGET_S has
+        passed (at least ``min_repeats``, at most CPU_MAX_REPEATS)."""
         for fn in fns:
             for _ in range(self.warmup):
-                start = time.perf_counter()
                 fn()
-                round_s += (time.perf_counter() - start) / self.warmup
-        repeats = self.repeats or int(min(CPU_MAX_REPEATS, max(
-            self.min_repeats, math.ceil(CPU_TARGET_S / max(round_s, 1e-9)))))
         samples: list[list[float]] = [[] for _ in fns]
-        for _ in range(repeats):
+        started = time.perf_counter()
+        while True:
             for fn, times in zip(fns, samples):
                 start = time.perf_counter()
                 fn()
                 times.append((time.perf_counter() - start) * 1e3)
-        return [Timing(statistics.median(t), min(t), repeats) for t in samples]
+            rounds = len(samples[0])
+            if self.repeats is not None:
+                if rounds >= self.repeats:
+                    break
+            elif rounds >= CPU_MAX_REPEATS or (
+                    rounds >= self.min_repeats
+                    and time.perf_counter() - started >= CPU_TARGET_S):
+                break
+        return [Timing(statistics.median(t), min(t), len(t)) for t in samples]
 
 
 class CudaTimer:
@@ -90,4 +96,4 @@ def timer_for(device: torch.device, warmup: Optional[int], repeats: Optional[int
               cpu_min_repeats: int = 3):
     if device.type == "cuda":
         return CudaTimer(3 if warmup is None else warmup, repeats)
-    return CpuTimer(1 if warmup is None else warmup, repeats, cpu_min_repeats)
+    return CpuTimer(0 if warmup is None else warmup, repeats, cpu_min_repeats)
