@@ -68,6 +68,10 @@ class Case:
                     generator: torch.Generator, input_scale: float):
         raise NotImplementedError
 
+    def make_grad_out(self, inputs, generator: torch.Generator) -> torch.Tensor:
+        """A random gradient for the output (never zeros)."""
+        raise NotImplementedError
+
     def reference_forward(self, inputs, scope: RefScope) -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
@@ -151,6 +155,11 @@ class DenseCase(Case):
 
         return DenseInputs(randn(shape.q_len), randn(shape.kv_len), randn(shape.kv_len),
                            shape.causal)
+
+    def make_grad_out(self, inputs: DenseInputs, generator) -> torch.Tensor:
+        q = inputs.q  # the output has q's shape here (Dv == D)
+        return torch.randn(q.shape, device=q.device, generator=generator,
+                           dtype=torch.float32).to(q.dtype)
 
     def reference_forward(self, inputs: DenseInputs, scope: RefScope):
         out, _ = reference.attention_forward(

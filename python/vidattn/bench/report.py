@@ -31,7 +31,8 @@ def _cells(row: dict) -> list[str]:
     if row["status"] != "ok":
         return head + ["skipped", "-", "-", "-", "-"]
     if row["ratio_to_peer"] is not None:
-        ratio = f"{row['ratio_to_peer']:.2f}"
+        r = row["ratio_to_peer"]
+        ratio = f"{r:.2f}" if r >= 0.1 else f"{r:.2g}"
     else:
         ratio = "peer" if row["impl"] == row.get("peer") else "-"
     err = row["max_abs_err"]

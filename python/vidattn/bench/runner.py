@@ -59,7 +59,7 @@ class _Prepared:
     results: tuple[torch.Tensor, ...]
 
 
-def _prepare(impl: Impl, case: Case, inputs, direction: str, grad_out) -> _Prepared:
+def _prepare(impl: Impl, inputs, direction: str, grad_out) -> _Prepared:
     if direction == "fwd":
         def run():
             with torch.no_grad():
@@ -100,9 +100,7 @@ def _run_group(plan, case, shape, dtype, dtype_name, direction, inputs, gen) -> 
     scope = reference.choose_scope(shape, direction, plan.device.type, plan.ref_heads)
     grad_out = None
     if direction == "bwd":
-        # Same shape as q (dense: Dv == D); random, never zeros.
-        grad_out = torch.randn(inputs.q.shape, device=plan.device, generator=gen,
-                               dtype=torch.float32).to(dtype)
+        grad_out = case.make_grad_out(inputs, gen)
         expected = case.reference_backward(inputs, grad_out, scope)
         names = case.grad_names
     else:
@@ -120,7 +118,7 @@ def _run_group(plan, case, shape, dtype, dtype_name, direction, inputs, gen) -> 
             rows.append(_skipped(base, reason))
             continue
         try:
-            p = _prepare(impl, case, inputs, direction, grad_out)
+            p = _prepare(impl, inputs, direction, grad_out)
         except NotImplementedError as e:
             rows.append(_skipped(base, f"{impl.name}: not implemented on "
                                        f"{plan.device.type} ({_first_line(e)})"))
@@ -136,12 +134,25 @@ def _run_group(plan, case, shape, dtype, dtype_name, direction, inputs, gen) -> 
                      "max_abs_err": max(errors.values())})
         prepared.append((rows[-1], p))
         if not plan.timer.interleaves:  # GPU: time now, one graph alive at a time
-            _time(plan.timer, [prepared.pop()], flops)
+            _time_or_skip(plan, prepared, flops)
+            prepared.clear()
             _free(plan.device)
     if prepared:
-        _time(plan.timer, prepared, flops)
+        _time_or_skip(plan, prepared, flops)
     _compare_to_peer(rows, case.peer_order)
     return rows
+
+
+def _time_or_skip(plan: Plan, prepared, flops: float) -> None:
+    try:
+        _time(plan.timer, prepared, flops)
+    except RuntimeError as e:  # e.g. out of memory while timing: keep the row, say why
+        for row, p in prepared:
+            for key in ("errors", "max_abs_err"):
+                row.pop(key, None)
+            row.update(status="skipped",
+                       note=f"{p.impl.name}: timing failed: {type(e).__name__}: {_first_line(e)}")
+        _free(plan.device)
 
 
 def _time(timer, prepared, flops: float) -> None:
