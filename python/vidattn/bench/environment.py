@@ -52,9 +52,13 @@ def _git(*args: str) -> Optional[str]:
 
 
 def git_info() -> dict:
-    """Commit of the checkout the bench code lives in (None when installed from a wheel)."""
+    """Commit of the checkout the bench code lives in (None when installed from a wheel) and
+    whether its tracked files differ from it."""
     commit = _git("rev-parse", "HEAD")
-    dirty = None if commit is None else bool(_git("status", "--porcelain", "--untracked-files=no"))
+    # Modified tracked files, not counting bench results (written by the bench itself).
+    status = _git("status", "--porcelain", "--untracked-files=no", "--", ":(top)",
+                  ":(top,exclude)bench/results")
+    dirty = None if commit is None or status is None else bool(status)
     return {"git_commit": commit, "git_dirty": dirty}
 
 
