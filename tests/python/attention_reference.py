@@ -60,48 +60,56 @@ def reference_attention(q, k, v, *, scale=None, causal=False, key_padding_mask=N
 
 
 @torch.no_grad()
-def cancellation_floor(q, k, v, out, grad_out, *, scale=None, causal=False,
-                       key_padding_mask=None, query_padding_mask=None):
-    """Extra floor for dQ and dK: float32 rounding of dS = P * (dP - delta).
+def flash_backward_floors(q, k, v, out, grad_out, *, scale=None, causal=False,
+                          key_padding_mask=None, query_padding_mask=None):
+    """Extra floors (dq, dk, dv) for two float32 roundings every flash-style backward makes
+    and eager PyTorch does not; the rule's "small floor for rounding", made explicit.
 
-    A flash-style backward computes delta = rowsum(dO * O) from the stored output, not from
-    dP, so when a row's softmax is (nearly) one-hot, dP - delta cancels to ~0 in exact math
-    (dQ, dK ~ 0) while float32 accumulation leaves noise of about
-    eps32 * sum_d |dO_d| (|V_jd| + |O_d|). The low-precision PyTorch baseline differentiates
-    softmax directly and cancels exactly there, so 2x its error alone would demand a zero.
-    This returns (dq_floor, dk_floor) = 2 * eps32 * max of the magnitudes of
-    scale * (P * A) @ |K| and scale * (P * A)^T @ |Q|, with
-    A_ij = |dO_i| . |V_j| + |dO_i| . |O_i|: the standard forward-error bound of those sums,
-    in the accumulator's precision (float32). It is tiny next to a bf16 / fp16 baseline's
-    error and only matters where the true gradient cancels.
+    1. Cancellation in dS = P * (dP - delta). delta = rowsum(dO * O) comes from the stored
+       output, not from dP, so for a (nearly) one-hot softmax row dP - delta is ~0 in exact
+       math (dQ, dK ~ 0) while float32 sums leave eps32 * sum_d |dO_d| (|V_jd| + |O_d|) of
+       noise. The baseline differentiates softmax directly and cancels exactly there, so 2x
+       its error alone would demand a zero. Bound: 2 eps32 x the magnitudes
+       scale * (P * A) @ |K| and scale * (P * A)^T @ |Q|, A_ij = |dO_i|.|V_j| + |dO_i|.|O_i|.
+    2. Recomputing P = exp(S - LSE) from the float32 LSE: one ulp of LSE is a relative error
+       of eps32 * |LSE_i| in every P_ij of row i, which eager softmax (exp(S - max) / sum)
+       does not have; with logits around 60 it is comparable to the whole fp32 baseline
+       error. Bound: with W = P * eps32 * |LSE_i|, W^T @ |dO| for dV, and
+       scale * (W * |dP - delta|) @ |K|, resp. ^T @ |Q|, for dQ, dK.
+    Both are float32 effects: negligible next to a bf16 / fp16 baseline's error.
     """
     q, k, v, out, grad_out = (t.double() for t in (q, k, v, out, grad_out))
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     group = q.shape[2] // k.shape[2]
-    probs, _ = _probs(q, k, scale=scale, causal=causal, key_padding_mask=key_padding_mask,
-                      query_padding_mask=query_padding_mask)
-    k = k.repeat_interleave(group, dim=2).abs()
-    v = v.repeat_interleave(group, dim=2).abs()
-    dout = grad_out.abs()
-    a = (torch.einsum("bihd,bjhd->bhij", dout, v)
-         + (dout * out.abs()).sum(-1).transpose(1, 2)[..., None])
-    pa = probs * a
-    dq_mag = scale * torch.einsum("bhij,bjhd->bihd", pa, k)
-    dk_mag = scale * torch.einsum("bhij,bihd->bjhd", pa, q.abs())
-    dk_mag = dk_mag.unflatten(2, (-1, group)).sum(3)  # dK sums over the heads of its group
+    probs, lse = _probs(q, k, scale=scale, causal=causal, key_padding_mask=key_padding_mask,
+                        query_padding_mask=query_padding_mask)
+    k = k.repeat_interleave(group, dim=2)
+    v = v.repeat_interleave(group, dim=2)
     eps32 = torch.finfo(torch.float32).eps
-    return tuple(2 * eps32 * (t.max().item() if t.numel() else 0.0) for t in (dq_mag, dk_mag))
+    abs_dout = grad_out.abs()
+    a = (torch.einsum("bihd,bjhd->bhij", abs_dout, v.abs())
+         + (abs_dout * out.abs()).sum(-1).transpose(1, 2)[..., None])
+    dp = torch.einsum("bihd,bjhd->bhij", grad_out, v)
+    delta = (grad_out * out).sum(-1).transpose(1, 2)[..., None]
+    w = probs * eps32 * torch.where(torch.isfinite(lse), lse.abs(), 0.0)[..., None]
+    ds_mag = 2 * eps32 * probs * a + w * (dp - delta).abs()
+    dq_mag = scale * torch.einsum("bhij,bjhd->bihd", ds_mag, k.abs())
+    dk_mag = scale * torch.einsum("bhij,bihd->bjhd", ds_mag, q.abs())
+    dk_mag = dk_mag.unflatten(2, (-1, group)).sum(3)  # dK sums over the heads of its group
+    dv_mag = torch.einsum("bhij,bihd->bjhd", w, abs_dout).unflatten(2, (-1, group)).sum(3)
+    return tuple(t.max().item() if t.numel() else 0.0 for t in (dq_mag, dk_mag, dv_mag))
 
 
-def cancellation_floor_varlen(q, k, v, out, grad_out, cu_seqlens_q, cu_seqlens_k, *,
-                              scale=None, causal=False):
-    """cancellation_floor over packed sequences: the largest of the per-sequence floors."""
+def flash_backward_floors_varlen(q, k, v, out, grad_out, cu_seqlens_q, cu_seqlens_k, *,
+                                 scale=None, causal=False):
+    """flash_backward_floors over packed sequences: the largest per-sequence floors."""
     cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
-    floors = [cancellation_floor(q[None, cq[i]:cq[i + 1]], k[None, ck[i]:ck[i + 1]],
-                                 v[None, ck[i]:ck[i + 1]], out[None, cq[i]:cq[i + 1]],
-                                 grad_out[None, cq[i]:cq[i + 1]], scale=scale, causal=causal)
+    floors = [flash_backward_floors(q[None, cq[i]:cq[i + 1]], k[None, ck[i]:ck[i + 1]],
+                                    v[None, ck[i]:ck[i + 1]], out[None, cq[i]:cq[i + 1]],
+                                    grad_out[None, cq[i]:cq[i + 1]], scale=scale,
+                                    causal=causal)
               for i in range(len(cq) - 1)]
-    return tuple(max([f[j] for f in floors], default=0.0) for j in range(2))
+    return tuple(max([f[j] for f in floors], default=0.0) for j in range(3))
 
 
 def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=None,
