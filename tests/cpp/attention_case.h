@@ -43,6 +43,9 @@ struct Case {
   }
 };
 
+// gtest prints a test parameter with this instead of its bytes.
+inline void PrintTo(const Case& c, std::ostream* os) { *os << c.name(); }
+
 struct Problem {
   Case c;
   HostTensor q, k, v, grad_out, key_mask, query_mask, cu_q, cu_k;
