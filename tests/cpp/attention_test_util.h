@@ -502,6 +502,7 @@ inline void expect_within_rule(const char* name, const std::vector<double>& got,
   }
   ASSERT_NE(baseline, nullptr);
   const double base = max_error(*baseline, ref);
+  ASSERT_TRUE(std::isfinite(base)) << name << ": the low-precision baseline overflowed";
   const double bound = factor * base + ulp(dtype, top) + extra_floor;
   EXPECT_LE(err, bound) << name << ": error " << err << ", baseline error " << base
                         << ", floor " << ulp(dtype, top) << " + " << extra_floor;

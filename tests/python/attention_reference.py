@@ -179,6 +179,8 @@ def assert_within_rule(name: str, kernel: torch.Tensor, ref: torch.Tensor,
         assert err <= bound, f"{name}: float64 error {err:.3e} > {bound:.3e}"
         return
     base = max_abs_error(baseline, ref)
+    # An overflowing baseline (inf) would make the bound vacuous.
+    assert math.isfinite(base), f"{name}: the low-precision baseline is not finite"
     floor = ulp_floor(dtype, ref) + extra_floor
     bound = factor * base + floor
     assert err <= bound, (f"{name}: error {err:.3e} > {factor:g} x baseline {base:.3e} "

@@ -100,6 +100,17 @@ def test_varlen_transposed_views(gen):
     assert torch.equal(out, out_ref) and torch.equal(lse, lse_ref)
 
 
+def test_strided_cu_seqlens(gen):
+    """cu_seqlens may be a strided int32 view."""
+    lengths = [4, 0, 9]
+    q, k, v = (randn([13, 2, 16], gen, f64) for _ in range(3))
+    cu = _cu(lengths)
+    cu_strided = torch.stack([cu, torch.full_like(cu, -7)], dim=1)[:, 0]
+    assert cu_strided.stride() == (2,)
+    out = vidattn.attention_varlen(q, k, v, cu_strided, cu_strided, 9, 9, causal=True)
+    assert torch.equal(out, vidattn.attention_varlen(q, k, v, cu, cu, 9, 9, causal=True))
+
+
 # ---- empty inputs ---------------------------------------------------------------------
 
 
