@@ -431,7 +431,7 @@ inline RefResult naive_attention(const RefProblem& p, const std::vector<double>&
           if (prob[j] == 0.0 && prob_exact[j] == 0.0) continue;
           const std::int64_t col = p.k_start[seq] + j;
           const double ds = rnd(rnd(acc(prob[j] * acc(dp[j] - delta))) * p.scale);
-          const double mag = p.scale * prob_exact[j] *
+          const double mag = std::fabs(p.scale) * prob_exact[j] *
                              (2 * eps32 * a[j] + eps32 * lse_exact * std::fabs(dp[j] - delta));
           for (std::int64_t d = 0; d < D; ++d) {
             double& dk_sum = dk_acc[(col * Hkv + hk) * D + d];

@@ -93,8 +93,8 @@ def flash_backward_floors(q, k, v, out, grad_out, *, scale=None, causal=False,
     delta = (grad_out * out).sum(-1).transpose(1, 2)[..., None]
     w = probs * eps32 * torch.where(torch.isfinite(lse), lse.abs(), 0.0)[..., None]
     ds_mag = 2 * eps32 * probs * a + w * (dp - delta).abs()
-    dq_mag = scale * torch.einsum("bhij,bjhd->bihd", ds_mag, k.abs())
-    dk_mag = scale * torch.einsum("bhij,bihd->bjhd", ds_mag, q.abs())
+    dq_mag = abs(scale) * torch.einsum("bhij,bjhd->bihd", ds_mag, k.abs())
+    dk_mag = abs(scale) * torch.einsum("bhij,bihd->bjhd", ds_mag, q.abs())
     dk_mag = dk_mag.unflatten(2, (-1, group)).sum(3)  # dK sums over the heads of its group
     dv_mag = torch.einsum("bhij,bihd->bjhd", w, abs_dout).unflatten(2, (-1, group)).sum(3)
     return tuple(t.max().item() if t.numel() else 0.0 for t in (dq_mag, dk_mag, dv_mag))

@@ -91,21 +91,61 @@ def test_attention_matches_reference(case: Case, gen):
         query_padding_mask=random_mask(c.batch, c.seqlen_q, gen, fully_padded=0)
         if c.query_mask else None)
 
-    def run(fn, dtype):
-        qq, kk, vv = _leaves(dtype, q, k, v)
-        out, lse = fn(qq, kk, vv, causal=c.causal, **masks)
-        out.backward(grad_out.to(dtype))
+    _check_batched(q, k, v, grad_out, causal=c.causal, **masks)
+
+
+def _check_batched(q, k, v, grad_out, **kwargs):
+    """Kernel vs fp64 reference vs low-precision baseline on the same inputs."""
+    dtype = q.dtype
+
+    def run(fn, dt):
+        qq, kk, vv = _leaves(dt, q, k, v)
+        out, lse = fn(qq, kk, vv, **kwargs)
+        out.backward(grad_out.to(dt))
         return out.detach(), lse, qq.grad, kk.grad, vv.grad
 
-    kernel = run(lambda *a, **kw: vidattn.attention(*a, return_lse=True, **kw), c.dtype)
+    kernel = run(lambda *a, **kw: vidattn.attention(*a, return_lse=True, **kw), dtype)
     out, lse = kernel[:2]
-    assert out.dtype == c.dtype and out.shape == grad_out.shape
-    assert lse.dtype == (f64 if c.dtype == f64 else f32)
-    assert lse.shape == (c.batch, c.heads_q, c.seqlen_q)
+    assert out.dtype == dtype and out.shape == grad_out.shape
+    assert lse.dtype == (f64 if dtype == f64 else f32)
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     reference = run(reference_attention, f64)
-    baseline = None if c.dtype == f64 else run(reference_attention, c.dtype)
-    floors = flash_backward_floors(q, k, v, reference[0], grad_out, causal=c.causal, **masks)
-    _check_against_reference(c.dtype, kernel, reference, baseline, floors)
+    baseline = None if dtype == f64 else run(reference_attention, dtype)
+    floors = flash_backward_floors(q, k, v, reference[0], grad_out, **kwargs)
+    _check_against_reference(dtype, kernel, reference, baseline, floors)
+
+
+def _keys(n, valid):
+    return valid(torch.arange(n))[None]
+
+
+# Beyond the axes: head dims that are not SIMD multiples, whole 256-key tiles padded (the
+# online softmax sees a tile with no visible key before / after visible ones), a softmax
+# scale of 0 (uniform) and a negative one.
+EDGE_CASES = {
+    "head_dim_1": dict(shape=(2, 5, 7, 3, 1, 1, 1)),
+    "head_dims_7_3": dict(shape=(2, 13, 29, 3, 3, 7, 3), causal=True),
+    "first_key_tile_padded": dict(shape=(1, 40, 600, 2, 1, 16, 16),
+                                  key_padding_mask=_keys(600, lambda j: j >= 256)),
+    "middle_key_tile_padded": dict(shape=(1, 40, 600, 2, 1, 16, 16),
+                                   key_padding_mask=_keys(600, lambda j: (j < 256) | (j >= 512))),
+    "causal_tail_keys_padded": dict(shape=(1, 300, 600, 2, 2, 16, 16), causal=True,
+                                    key_padding_mask=_keys(600, lambda j: j < 500)),
+    "scale_zero": dict(shape=(2, 9, 9, 2, 2, 8, 8), scale=0.0),
+    "scale_negative": dict(shape=(2, 9, 9, 2, 2, 8, 8), scale=-1.5, causal=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [f64, f32, bf16])
+@pytest.mark.parametrize("name", list(EDGE_CASES))
+def test_edge_cases(name, dtype, gen):
+    kwargs = dict(EDGE_CASES[name])
+    batch, seqlen_q, seqlen_k, heads_q, heads_kv, dim, dim_v = kwargs.pop("shape")
+    q = randn([batch, seqlen_q, heads_q, dim], gen, dtype, 4)
+    k = randn([batch, seqlen_k, heads_kv, dim], gen, dtype, 4)
+    v = randn([batch, seqlen_k, heads_kv, dim_v], gen, dtype, 4)
+    grad_out = randn([batch, seqlen_q, heads_q, dim_v], gen, dtype)
+    _check_batched(q, k, v, grad_out, **kwargs)
 
 
 # dtype, q lengths, k lengths, Hq, Hkv, D, Dv, causal, input scale, softmax scale.
