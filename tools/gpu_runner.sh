@@ -30,7 +30,15 @@ stage() {
   return $rc
 }
 
+# Prefer the distribution's compiler: a toolchain that links libstdc++ statically into the op
+# library makes it run two copies of libstdc++ beside torch's (seen: a crash formatting an
+# integer into an error message). CXX / CC / CUDAHOSTCXX set by the caller win.
+if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ]; then
+  export CXX=/usr/bin/g++ CC=/usr/bin/gcc
+fi
+if [ -z "${CUDAHOSTCXX:-}" ] && [ -n "${CXX:-}" ]; then export CUDAHOSTCXX=$CXX; fi
 {
+  echo "CXX=${CXX:-} CUDAHOSTCXX=${CUDAHOSTCXX:-}"; ${CXX:-c++} --version | head -n 1
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
   nvcc --version | tail -n 2
   $PYTHON -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
@@ -47,6 +55,9 @@ if has build; then
     -DPython_EXECUTABLE="$(command -v $PYTHON)" || BUILD_OK=0
   if [ $BUILD_OK = 1 ]; then
     stage build 300 cmake --build build/gpu -j "$JOBS" && cp build/gpu/_vidattn_ops.so python/vidattn/ || BUILD_OK=0
+  fi
+  if [ $BUILD_OK = 1 ] && nm -C python/vidattn/_vidattn_ops.so | grep -q ' [TW] std::ostream& std::ostream::_M_insert<long>'; then
+    echo "WARNING: libstdc++ is linked statically into _vidattn_ops.so (compiler: ${CXX:-default})" | tee -a "$LOGS/env.log"
   fi
 fi
 
