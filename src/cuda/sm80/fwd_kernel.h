@@ -1,6 +1,6 @@
 // Dense attention forward (FlashAttention-2 scheme): one CTA per (query block, head, batch);
-// each warp owns 16 query rows and keeps them in registers; key/value blocks stream through
-// shared memory with cp.async (the V load overlaps Q K^T, the next K load overlaps P V).
+// each warp owns 32 query rows (two m16 tiles); key/value blocks stream through shared
+// memory with cp.async (the V load overlaps Q K^T, the next K load overlaps P V).
 #pragma once
 
 #include <cstdint>
@@ -14,18 +14,22 @@ namespace vidattn::cuda_sm80 {
 
 template <int D>
 struct FwdConfig {
-  static constexpr int kWarps = 8;
+  // 4 warps of 2 m-tiles (32 query rows) each: every K / V fragment read from shared memory
+  // feeds two mma instead of one (16-row warps are bound by shared-memory bandwidth), and at
+  // <= 255 registers two CTAs share an SM.
+  static constexpr int kWarps = 4;
+  static constexpr int kMTiles = 2;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kBlockQ = 16 * kWarps;
+  static constexpr int kBlockQ = 16 * kMTiles * kWarps;
   static constexpr int kBlockK = 64;
   static constexpr int kSmemBytes = (kBlockQ + 2 * kBlockK) * D * 2;
 };
 
 template <class T, int D>
-__global__ void __launch_bounds__(FwdConfig<D>::kThreads)
+__global__ void __launch_bounds__(FwdConfig<D>::kThreads, 2)
     attention_fwd_kernel(const AttentionParams p) {
   using C = FwdConfig<D>;
-  constexpr int BQ = C::kBlockQ, BK = C::kBlockK;
+  constexpr int BQ = C::kBlockQ, BK = C::kBlockK, MT = C::kMTiles;
   extern __shared__ __align__(128) std::uint16_t smem[];
   std::uint16_t* q_tile = smem;
   std::uint16_t* k_tile = q_tile + BQ * D;
@@ -53,17 +57,17 @@ __global__ void __launch_bounds__(FwdConfig<D>::kThreads)
   cp_async_wait_all();
   __syncthreads();
 
-  std::uint32_t qf[D / 16][4];
+  const int warp_row0 = warp * 16 * MT;  // first row of this warp in the block
+  float o[MT][D / 8][4];
+  float row_max[MT][2], row_sum[MT][2];  // row_sum: this thread's partial sums
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk)
-    ldmatrix_x4(qf[kk], smem_addr(q_tile + swizzle<D>(warp * 16 + (lane & 15), kk * 2 + (lane >> 4))));
-
-  float o[D / 8][4];
+  for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
-  for (int n = 0; n < D / 8; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
-  float row_max[2] = {-INFINITY, -INFINITY};
-  float row_sum[2] = {0.f, 0.f};  // this thread's partial sums; reduced over the quad at the end
-  const std::int64_t q_row = q0 + warp * 16 + (lane >> 2);
+    for (int n = 0; n < D / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+  const std::int64_t q_row = q0 + warp_row0 + (lane >> 2);  // + 16 * mt + 8 * half
 
   for (std::int64_t k0 = 0; k0 < k_end; k0 += BK) {
     // K(k0) is resident; fetch V(k0) behind the logits.
@@ -71,30 +75,57 @@ __global__ void __launch_bounds__(FwdConfig<D>::kThreads)
                                   seq.len_k - k0, p.aligned16);
     cp_async_commit();
 
-    float s[BK / 8][4];
-    qk_logits_reg<T, D, BK>(s, qf, k_tile);
-    scale_and_mask<BK>(s, p.scale, mask, mask.block_needs_mask(q0, k0, BK), q_row, k0);
-
-    // Online softmax; a row with nothing visible yet keeps max -inf and adds nothing.
+    // S = Q K^T, the same mma chain per element as qk_logits (k-order 0 .. D/16 - 1 from a
+    // zero accumulator), so the backward's recomputed logits are bit-identical.
+    float s[MT][BK / 8][4];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float mx = row_max[r];
+    for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int n = 0; n < BK / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-      mx = quad_max(mx);
-      const float base = mx == -INFINITY ? 0.f : mx * kLog2e;
-      const float alpha = exp2_approx(row_max[r] * kLog2e - base);
-      row_max[r] = mx;
-      float sum = 0.f;
+      for (int n = 0; n < BK / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll
-      for (int n = 0; n < BK / 8; ++n) {
-        s[n][2 * r] = exp2_approx(fmaf(s[n][2 * r], kLog2e, -base));
-        s[n][2 * r + 1] = exp2_approx(fmaf(s[n][2 * r + 1], kLog2e, -base));
-        sum += s[n][2 * r] + s[n][2 * r + 1];
+    for (int kk = 0; kk < D / 16; ++kk) {
+      std::uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        ldmatrix_x4(a[mt], smem_addr(q_tile + swizzle<D>(warp_row0 + mt * 16 + (lane & 15),
+                                                        kk * 2 + (lane >> 4))));
+#pragma unroll
+      for (int np = 0; np < BK / 16; ++np) {
+        std::uint32_t bk[4];
+        ldmatrix_x4(bk, smem_addr(k_tile + swizzle<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                                      kk * 2 + ((lane >> 3) & 1))));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma<T>::run(s[mt][2 * np], a[mt], bk[0], bk[1]);
+          Mma<T>::run(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+        }
       }
-      row_sum[r] = row_sum[r] * alpha + sum;
+    }
+    const bool needs_mask = mask.block_needs_mask(q0, k0, BK);
 #pragma unroll
-      for (int n = 0; n < D / 8; ++n) o[n][2 * r] *= alpha, o[n][2 * r + 1] *= alpha;
+    for (int mt = 0; mt < MT; ++mt) {
+      scale_and_mask<BK>(s[mt], p.scale, mask, needs_mask, q_row + 16 * mt, k0);
+      // Online softmax; a row with nothing visible yet keeps max -inf and adds nothing.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_max[mt][r];
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+        mx = quad_max(mx);
+        const float base = mx == -INFINITY ? 0.f : mx * kLog2e;
+        const float alpha = exp2_approx(row_max[mt][r] * kLog2e - base);
+        row_max[mt][r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) {
+          s[mt][n][2 * r] = exp2_approx(fmaf(s[mt][n][2 * r], kLog2e, -base));
+          s[mt][n][2 * r + 1] = exp2_approx(fmaf(s[mt][n][2 * r + 1], kLog2e, -base));
+          sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
+        }
+        row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) o[mt][n][2 * r] *= alpha, o[mt][n][2 * r + 1] *= alpha;
+      }
     }
 
     cp_async_wait_all();
@@ -108,18 +139,24 @@ __global__ void __launch_bounds__(FwdConfig<D>::kThreads)
     // O += P V: the accumulator layout of P is the A-operand layout of the next mma.
 #pragma unroll
     for (int kt = 0; kt < BK / 16; ++kt) {
-      std::uint32_t a[4];
-      a[0] = Mma<T>::pack(s[2 * kt][0], s[2 * kt][1]);
-      a[1] = Mma<T>::pack(s[2 * kt][2], s[2 * kt][3]);
-      a[2] = Mma<T>::pack(s[2 * kt + 1][0], s[2 * kt + 1][1]);
-      a[3] = Mma<T>::pack(s[2 * kt + 1][2], s[2 * kt + 1][3]);
+      std::uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = Mma<T>::pack(s[mt][2 * kt][0], s[mt][2 * kt][1]);
+        a[mt][1] = Mma<T>::pack(s[mt][2 * kt][2], s[mt][2 * kt][3]);
+        a[mt][2] = Mma<T>::pack(s[mt][2 * kt + 1][0], s[mt][2 * kt + 1][1]);
+        a[mt][3] = Mma<T>::pack(s[mt][2 * kt + 1][2], s[mt][2 * kt + 1][3]);
+      }
 #pragma unroll
       for (int np = 0; np < D / 16; ++np) {
         std::uint32_t bv[4];
         ldmatrix_x4_trans(bv, smem_addr(v_tile + swizzle<D>(kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                             np * 2 + (lane >> 4))));
-        Mma<T>::run(o[2 * np], a, bv[0], bv[1]);
-        Mma<T>::run(o[2 * np + 1], a, bv[2], bv[3]);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma<T>::run(o[mt][2 * np], a[mt], bv[0], bv[1]);
+          Mma<T>::run(o[mt][2 * np + 1], a[mt], bv[2], bv[3]);
+        }
       }
     }
     cp_async_wait_all();
@@ -128,24 +165,27 @@ __global__ void __launch_bounds__(FwdConfig<D>::kThreads)
 
   // Epilogue: normalise, zero the rows that saw nothing or are padded queries, write O, LSE.
   auto* out = static_cast<std::uint16_t*>(p.out);
-  const float sums[2] = {quad_sum(row_sum[0]), quad_sum(row_sum[1])};  // whole warp shuffles
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const std::int64_t i = q_row + 8 * r;
-    if (i >= seq.len_q) continue;
-    const float sum = sums[r];
-    bool empty = !(sum > 0.f);
-    if (p.query_mask && !p.query_mask[seq.batch * p.query_mask_batch + i * p.query_mask_row])
-      empty = true;
-    const float inv = empty ? 0.f : 1.f / sum;
-    std::uint16_t* dst = out + q_side_offset(p, p.out_strides, seq, i, h);
+  for (int mt = 0; mt < MT; ++mt) {
+    const float sums[2] = {quad_sum(row_sum[mt][0]), quad_sum(row_sum[mt][1])};  // whole warp
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-      store_pair<T>(dst + n * 8 + (lane & 3) * 2, o[n][2 * r] * inv, o[n][2 * r + 1] * inv,
-                    p.out_aligned4);
-    if ((lane & 3) == 0)
-      p.lse[q_side_offset(p, p.lse_strides, seq, i, h)] =
-          empty ? -INFINITY : row_max[r] + logf(sum);
+    for (int r = 0; r < 2; ++r) {
+      const std::int64_t i = q_row + 16 * mt + 8 * r;
+      if (i >= seq.len_q) continue;
+      const float sum = sums[r];
+      bool empty = !(sum > 0.f);
+      if (p.query_mask && !p.query_mask[seq.batch * p.query_mask_batch + i * p.query_mask_row])
+        empty = true;
+      const float inv = empty ? 0.f : 1.f / sum;
+      std::uint16_t* dst = out + q_side_offset(p, p.out_strides, seq, i, h);
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n)
+        store_pair<T>(dst + n * 8 + (lane & 3) * 2, o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv,
+                      p.out_aligned4);
+      if ((lane & 3) == 0)
+        p.lse[q_side_offset(p, p.lse_strides, seq, i, h)] =
+            empty ? -INFINITY : row_max[mt][r] + logf(sum);
+    }
   }
 }
 

@@ -38,27 +38,6 @@ __device__ __forceinline__ void qk_logits(float (&s)[KEYS / 8][4], const std::ui
   }
 }
 
-// Same product with the A fragments already in registers (the forward keeps q there).
-template <class T, int D, int KEYS>
-__device__ __forceinline__ void qk_logits_reg(float (&s)[KEYS / 8][4],
-                                              const std::uint32_t (&qf)[D / 16][4],
-                                              const std::uint16_t* k_tile) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int n = 0; n < KEYS / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
-#pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-#pragma unroll
-    for (int np = 0; np < KEYS / 16; ++np) {
-      std::uint32_t b[4];
-      ldmatrix_x4(b, smem_addr(k_tile + swizzle<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
-                                                   kk * 2 + ((lane >> 3) & 1))));
-      Mma<T>::run(s[2 * np], qf[kk], b[0], b[1]);
-      Mma<T>::run(s[2 * np + 1], qf[kk], b[2], b[3]);
-    }
-  }
-}
-
 // What the masks let a block see.
 struct MaskInfo {
   std::int64_t len_q, len_k;
