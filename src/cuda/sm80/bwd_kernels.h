@@ -24,8 +24,7 @@ struct BwdConfig {
   // 32 * (w / 4); for dK and dV it owns keys 16 * (w % 4) and head-dim half w / 4.
   static constexpr int kDkdvWarps = 8;
   static constexpr int kDkdvThreads = kDkdvWarps * 32;
-  // K, V; two buffers each of Q and dO (the next query block loads during this one); P, dS.
-  static constexpr int kDkdvSmemBytes = (2 * kBlockK * D + 4 * kBlockQ * D + 2 * kBlockQ * kBlockK) * 2;
+  static constexpr int kDkdvSmemBytes = (2 * kBlockK * D + 2 * kBlockQ * D + 2 * kBlockQ * kBlockK) * 2;
   // dQ kernel: 4 warps of 16 query rows each.
   static constexpr int kDqWarps = 4;
   static constexpr int kDqThreads = kDqWarps * 32;
@@ -101,10 +100,10 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
   extern __shared__ __align__(128) std::uint16_t smem[];
   std::uint16_t* k_tile = smem;
   std::uint16_t* v_tile = k_tile + BK * D;
-  std::uint16_t* q_tiles = v_tile + BK * D;     // [2][BQ][D]
-  std::uint16_t* do_tiles = q_tiles + 2 * BQ * D;  // [2][BQ][D]
-  std::uint16_t* p_tile = do_tiles + 2 * BQ * D;   // [BQ][BK]
-  std::uint16_t* ds_tile = p_tile + BQ * BK;       // [BQ][BK]
+  std::uint16_t* q_tile = v_tile + BK * D;
+  std::uint16_t* do_tile = q_tile + BQ * D;
+  std::uint16_t* p_tile = do_tile + BQ * D;  // [BQ][BK]
+  std::uint16_t* ds_tile = p_tile + BQ * BK;  // [BQ][BK]
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const int wq = warp & 3, wk = warp >> 2;
@@ -126,72 +125,59 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
 
-  // The query blocks this key block meets: for each q head of the group, [q_begin, len_q).
   const std::int64_t q_begin = query_begin(mask, k0);
-  const std::int64_t blocks_per_head = (seq.len_q - q_begin + BQ - 1) / BQ;
-  const std::int64_t blocks = blocks_per_head * p.group;
-  auto head_of = [&](std::int64_t t) { return hk * p.group + static_cast<int>(t / blocks_per_head); };
-  auto start_of = [&](std::int64_t t) { return q_begin + (t % blocks_per_head) * BQ; };
-  auto load_block = [&](std::int64_t t, int buf) {
-    const int h = head_of(t);
-    const std::int64_t q0 = start_of(t);
-    const auto* q = static_cast<const std::uint16_t*>(p.q) + q_side_offset(p, p.q_strides, seq, q0, h);
+  for (int g = 0; g < p.group; ++g) {
+    const int h = hk * p.group + g;
+    const auto* q = static_cast<const std::uint16_t*>(p.q) + q_side_offset(p, p.q_strides, seq, 0, h);
     const auto* go = static_cast<const std::uint16_t*>(p.grad_out) +
-                     q_side_offset(p, p.grad_out_strides, seq, q0, h);
-    load_tile<BQ, D, C::kDkdvThreads>(q_tiles + buf * BQ * D, q, p.q_strides.row, seq.len_q - q0,
-                                      p.aligned16);
-    load_tile<BQ, D, C::kDkdvThreads>(do_tiles + buf * BQ * D, go, p.grad_out_strides.row,
-                                      seq.len_q - q0, p.aligned16);
-    cp_async_commit();
-  };
-  if (blocks > 0) load_block(0, 0);
+                     q_side_offset(p, p.grad_out_strides, seq, 0, h);
+    for (std::int64_t q0 = q_begin; q0 < seq.len_q; q0 += BQ) {
+      __syncthreads();  // the previous block's tiles are no longer read
+      load_tile<BQ, D, C::kDkdvThreads>(q_tile, q + q0 * p.q_strides.row, p.q_strides.row,
+                                        seq.len_q - q0, p.aligned16);
+      load_tile<BQ, D, C::kDkdvThreads>(do_tile, go + q0 * p.grad_out_strides.row,
+                                        p.grad_out_strides.row, seq.len_q - q0, p.aligned16);
+      cp_async_commit();
+      const std::int64_t q_row = q0 + wq * 16 + (lane >> 2);
+      const RowStats rs[2] = {row_stats(p, seq, q_row, h), row_stats(p, seq, q_row + 8, h)};
+      cp_async_wait_all();
+      __syncthreads();
 
-  for (std::int64_t t = 0; t < blocks; ++t) {
-    const int buf = static_cast<int>(t & 1);
-    const int h = head_of(t);
-    const std::int64_t q0 = start_of(t);
-    const std::uint16_t* q_tile = q_tiles + buf * BQ * D;
-    const std::uint16_t* do_tile = do_tiles + buf * BQ * D;
-    const std::int64_t q_row = q0 + wq * 16 + (lane >> 2);
-    const RowStats rs[2] = {row_stats(p, seq, q_row, h), row_stats(p, seq, q_row + 8, h)};
-    cp_async_wait_all();
-    __syncthreads();  // block t resident; every warp is done with block t - 1 (its buffers, P, dS)
-    if (t + 1 < blocks) load_block(t + 1, buf ^ 1);
+      float s[KW / 8][4], dp[KW / 8][4];
+      qk_logits<T, D, KW>(s, q_tile, wq * 16, k_tile, wk * KW);
+      scale_and_mask<KW>(s, p.scale, mask, mask.block_needs_mask(q0, k0, BK), q_row, k0 + wk * KW);
+      qk_logits<T, D, KW>(dp, do_tile, wq * 16, v_tile, wk * KW);
+      probs_and_dscores<KW>(s, dp, rs);
+#pragma unroll
+      for (int n = 0; n < KW / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = wq * 16 + (lane >> 2) + 8 * r;
+          const int at = swizzle<BK>(row, wk * (KW / 8) + n) + (lane & 3) * 2;
+          *reinterpret_cast<std::uint32_t*>(p_tile + at) = Mma<T>::pack(s[n][2 * r], s[n][2 * r + 1]);
+          *reinterpret_cast<std::uint32_t*>(ds_tile + at) = Mma<T>::pack(dp[n][2 * r], dp[n][2 * r + 1]);
+        }
+      __syncthreads();
 
-    float s[KW / 8][4], dp[KW / 8][4];
-    qk_logits<T, D, KW>(s, q_tile, wq * 16, k_tile, wk * KW);
-    scale_and_mask<KW>(s, p.scale, mask, mask.block_needs_mask(q0, k0, BK), q_row, k0 + wk * KW);
-    qk_logits<T, D, KW>(dp, do_tile, wq * 16, v_tile, wk * KW);
-    probs_and_dscores<KW>(s, dp, rs);
+      // dV += P^T dO and dK += dS^T Q over this warp's 16 keys and DW head-dim columns.
 #pragma unroll
-    for (int n = 0; n < KW / 8; ++n)
+      for (int kt = 0; kt < BQ / 16; ++kt) {
+        const int a_at = swizzle<BK>(kt * 16 + (lane & 7) + ((lane >> 4) << 3), wq * 2 + ((lane >> 3) & 1));
+        std::uint32_t ap[4], ads[4];
+        ldmatrix_x4_trans(ap, smem_addr(p_tile + a_at));
+        ldmatrix_x4_trans(ads, smem_addr(ds_tile + a_at));
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = wq * 16 + (lane >> 2) + 8 * r;
-        const int at = swizzle<BK>(row, wk * (KW / 8) + n) + (lane & 3) * 2;
-        *reinterpret_cast<std::uint32_t*>(p_tile + at) = Mma<T>::pack(s[n][2 * r], s[n][2 * r + 1]);
-        *reinterpret_cast<std::uint32_t*>(ds_tile + at) = Mma<T>::pack(dp[n][2 * r], dp[n][2 * r + 1]);
-      }
-    __syncthreads();
-
-    // dV += P^T dO and dK += dS^T Q over this warp's 16 keys and DW head-dim columns.
-#pragma unroll
-    for (int kt = 0; kt < BQ / 16; ++kt) {
-      const int a_at = swizzle<BK>(kt * 16 + (lane & 7) + ((lane >> 4) << 3), wq * 2 + ((lane >> 3) & 1));
-      std::uint32_t ap[4], ads[4];
-      ldmatrix_x4_trans(ap, smem_addr(p_tile + a_at));
-      ldmatrix_x4_trans(ads, smem_addr(ds_tile + a_at));
-#pragma unroll
-      for (int np = 0; np < DW / 16; ++np) {
-        const int b_at = swizzle<D>(kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
-                                    wk * (DW / 8) + np * 2 + (lane >> 4));
-        std::uint32_t bf[4];
-        ldmatrix_x4_trans(bf, smem_addr(do_tile + b_at));
-        Mma<T>::run(dv[2 * np], ap, bf[0], bf[1]);
-        Mma<T>::run(dv[2 * np + 1], ap, bf[2], bf[3]);
-        ldmatrix_x4_trans(bf, smem_addr(q_tile + b_at));
-        Mma<T>::run(dk[2 * np], ads, bf[0], bf[1]);
-        Mma<T>::run(dk[2 * np + 1], ads, bf[2], bf[3]);
+        for (int np = 0; np < DW / 16; ++np) {
+          const int b_at = swizzle<D>(kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                      wk * (DW / 8) + np * 2 + (lane >> 4));
+          std::uint32_t bf[4];
+          ldmatrix_x4_trans(bf, smem_addr(do_tile + b_at));
+          Mma<T>::run(dv[2 * np], ap, bf[0], bf[1]);
+          Mma<T>::run(dv[2 * np + 1], ap, bf[2], bf[3]);
+          ldmatrix_x4_trans(bf, smem_addr(q_tile + b_at));
+          Mma<T>::run(dk[2 * np], ads, bf[0], bf[1]);
+          Mma<T>::run(dk[2 * np + 1], ads, bf[2], bf[3]);
+        }
       }
     }
   }
