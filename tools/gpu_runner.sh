@@ -30,13 +30,13 @@ stage() {
   return $rc
 }
 
-# Prefer the distribution's compiler: a toolchain that links libstdc++ statically into the op
-# library makes it run two copies of libstdc++ beside torch's (seen: a crash formatting an
-# integer into an error message). CXX / CC / CUDAHOSTCXX set by the caller win.
-if [ -z "${CXX:-}" ] && [ -x /usr/bin/g++ ]; then
-  export CXX=/usr/bin/g++ CC=/usr/bin/gcc
-fi
-if [ -z "${CUDAHOSTCXX:-}" ] && [ -n "${CXX:-}" ]; then export CUDAHOSTCXX=$CXX; fi
+# The distribution's g++ by default: the image's CXX (/opt/gcc/bin/g++, a wrapper whose
+# library path holds a static libstdc++) linked libstdc++ into the op library, and that second
+# copy beside torch's crashed formatting an integer into an error message. RUNNER_CXX=...
+# picks another compiler.
+RUNNER_CXX=${RUNNER_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || echo "${CXX:-c++}")}
+export CXX=$RUNNER_CXX CUDAHOSTCXX=$RUNNER_CXX
+if [ "$RUNNER_CXX" = /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CC=/usr/bin/gcc; fi
 {
   echo "CXX=${CXX:-} CUDAHOSTCXX=${CUDAHOSTCXX:-}"; ${CXX:-c++} --version | head -n 1
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
@@ -56,8 +56,8 @@ if has build; then
   if [ $BUILD_OK = 1 ]; then
     stage build 300 cmake --build build/gpu -j "$JOBS" && cp build/gpu/_vidattn_ops.so python/vidattn/ || BUILD_OK=0
   fi
-  if [ $BUILD_OK = 1 ] && nm -C python/vidattn/_vidattn_ops.so | grep -q ' [TW] std::ostream& std::ostream::_M_insert<long>'; then
-    echo "WARNING: libstdc++ is linked statically into _vidattn_ops.so (compiler: ${CXX:-default})" | tee -a "$LOGS/env.log"
+  if [ $BUILD_OK = 1 ] && ! ldd python/vidattn/_vidattn_ops.so | grep -q 'libstdc++'; then
+    echo "WARNING: _vidattn_ops.so does not load the shared libstdc++ (static copy? compiler: $CXX)" | tee -a "$LOGS/env.log"
   fi
 fi
 
