@@ -7,6 +7,7 @@
 #   OUT=/tmp/run bash tools/gpu_runner.sh            # everything
 #   STAGES="build pytest" bash tools/gpu_runner.sh   # a subset (build pytest cpp sanitizer bench)
 #   PYTEST_ARGS="-k cuda" bash tools/gpu_runner.sh   # extra pytest arguments
+#   BENCH_ARGS="--shapes gpu-dense --out $OUT/bench.json" bash tools/gpu_runner.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(pwd)/gpu-run}
@@ -77,7 +78,7 @@ if [ $BUILD_OK = 1 ]; then
   fi
   if has bench; then
     if [ -d python/vidattn/bench ]; then
-      stage vidattn_bench 240 $PYTHON -m vidattn.bench
+      stage vidattn_bench 300 $PYTHON -m vidattn.bench --no-progress ${BENCH_ARGS:-}
     fi
     stage bench_dense 200 $PYTHON tools/bench_dense_cuda.py "$OUT/bench_dense_cuda.json"
   fi
