@@ -7,6 +7,7 @@
 #   OUT=/tmp/run bash tools/gpu_runner.sh            # everything
 #   STAGES="build pytest" bash tools/gpu_runner.sh   # a subset (build pytest cpp sanitizer bench bench_dense)
 #   PYTEST_ARGS="-k cuda" bash tools/gpu_runner.sh   # extra pytest arguments
+#   VIDATTN_GIT_COMMIT=<hash> names the commit in the bench JSON when the tree has no .git
 #   BENCH_ARGS="--shapes gpu-dense --out $OUT/bench.json" bash tools/gpu_runner.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
