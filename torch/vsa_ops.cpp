@@ -27,6 +27,15 @@ auto find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+// Index arguments must be int32; say so before the generic dtype mapping does.
+void require_int32(const Tensor& t, const char* fn, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, fn, ": argument '", name,
+                   "' must have dtype int32, got ", t.scalar_type());
+}
+void require_int32(const OptTensor& t, const char* fn, const char* name) {
+  if (t && t->defined()) require_int32(*t, fn, name);
+}
+
 Tensor int32_empty(c10::SymIntArrayRef shape, const Tensor& like) {
   return at::empty_symint(shape, like.options().dtype(at::kInt));
 }
@@ -48,27 +57,39 @@ TilingLayout layout_of(c10::IntArrayRef grids, c10::IntArrayRef tile, const char
   return translate_errors([&] { return describe_tiling(g, {tile[0], tile[1], tile[2]}); });
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> tiling_metadata_kernel(c10::IntArrayRef grids,
-                                                                          c10::IntArrayRef tile) {
+// All metadata in one int32 tensor, so that the op is a plain tensor constructor (fake
+// tensor mode then runs it with device=meta): [cu_tiles (N + 1) | cu_tokens (N + 1) |
+// block_sizes (num_tiles) | slot_to_token (padded_len) | token_to_slot (num_tokens)].
+Tensor tiling_metadata_kernel(c10::IntArrayRef grids, c10::IntArrayRef tile,
+                              std::optional<at::Device> device) {
   constexpr const char* fn = "vidattn.vsa_tiling_metadata";
   const TilingLayout layout = layout_of(grids, tile, fn);
-  const auto opts = at::TensorOptions().dtype(at::kInt);
   const auto n = static_cast<int64_t>(layout.grids.size());
-  Tensor sizes = at::empty({layout.num_tiles}, opts), s2t = at::empty({layout.padded_len()}, opts),
-         t2s = at::empty({layout.num_tokens}, opts), cu_tiles = at::empty({n + 1}, opts),
-         cu_tokens = at::empty({n + 1}, opts);
+  const int64_t total = 2 * (n + 1) + layout.num_tiles + layout.padded_len() + layout.num_tokens;
+  if (device && device->is_meta()) return at::empty({total}, at::TensorOptions().dtype(at::kInt).device(*device));
+  Tensor all = at::empty({total}, at::TensorOptions().dtype(at::kInt));
+  int64_t at_ = 0;
+  auto part = [&](int64_t len) {
+    Tensor t = all.narrow(0, at_, len);
+    at_ += len;
+    return t;
+  };
+  Tensor cu_tiles = part(n + 1), cu_tokens = part(n + 1), sizes = part(layout.num_tiles),
+         s2t = part(layout.padded_len()), t2s = part(layout.num_tokens);
   translate_errors([&] {
     tiling_metadata(layout, view_of(sizes, fn, "block_sizes"), view_of(s2t, fn, "slot_to_token"),
                     view_of(t2s, fn, "token_to_slot"), view_of(cu_tiles, fn, "cu_tiles"),
                     view_of(cu_tokens, fn, "cu_tokens"));
   });
-  return {sizes, s2t, t2s, cu_tiles, cu_tokens};
+  return device ? all.to(*device) : all;
 }
 
 // ---- gather_tokens: tile / untile -------------------------------------------------------
 
 Tensor gather_tokens_kernel(const Tensor& x, const Tensor& index, const Tensor& inverse_index) {
   constexpr const char* fn = "vidattn.gather_tokens";
+  require_int32(index, fn, "index");
+  require_int32(inverse_index, fn, "inverse_index");
   return translate_errors([&] {
     const TensorView xv = view_of(x, fn, "x");
     TORCH_CHECK_VALUE(inverse_index.dim() == 1 && inverse_index.size(0) == x.size(x.dim() > 1 ? 1 : 0),
@@ -120,6 +141,7 @@ Tensor gather_tokens_autograd(const Tensor& x, const Tensor& index, const Tensor
 
 Tensor tile_mean_pool_kernel(const Tensor& x, const Tensor& block_sizes, int64_t tile_volume) {
   constexpr const char* fn = "vidattn.tile_mean_pool";
+  require_int32(block_sizes, fn, "block_sizes");
   return translate_errors([&] {
     const TensorView xv = view_of(x, fn, "x");
     TORCH_CHECK_VALUE(x.dim() == 4, fn, ": argument 'x' must be 4-D [B, S, H, D], got ", x.dim(), "-D");
@@ -134,10 +156,10 @@ Tensor tile_mean_pool_kernel(const Tensor& x, const Tensor& block_sizes, int64_t
 
 Tensor tile_mean_pool_meta(const Tensor& x, const Tensor& block_sizes, int64_t tile_volume) {
   constexpr const char* fn = "vidattn.tile_mean_pool";
+  require_int32(block_sizes, fn, "block_sizes");
   TORCH_CHECK_VALUE(x.dim() == 4, fn, ": argument 'x' must be 4-D [B, S, H, D], got ", x.dim(), "-D");
   TORCH_CHECK_VALUE(is_supported_tile_volume(tile_volume), fn,
                     ": tile volume must be 64, 128 or 256, got ", tile_volume);
-  (void)block_sizes;
   return at::empty_symint({x.sym_size(0), x.sym_size(1) / tile_volume, x.sym_size(2), x.sym_size(3)},
                           x.options());
 }
@@ -145,6 +167,7 @@ Tensor tile_mean_pool_meta(const Tensor& x, const Tensor& block_sizes, int64_t t
 Tensor tile_mean_pool_backward_kernel(const Tensor& grad_out, const Tensor& block_sizes,
                                       int64_t tile_volume) {
   constexpr const char* fn = "vidattn.tile_mean_pool_backward";
+  require_int32(block_sizes, fn, "block_sizes");
   return translate_errors([&] {
     const TensorView gv = view_of(grad_out, fn, "grad_out");
     TORCH_CHECK_VALUE(grad_out.dim() == 4, fn, ": argument 'grad_out' must be 4-D");
@@ -196,6 +219,8 @@ std::tuple<Tensor, Tensor> topk_tiles_kernel(const Tensor& q_pooled, const Tenso
                                              const OptTensor& cu_tiles_q,
                                              const OptTensor& cu_tiles_k) {
   constexpr const char* fn = "vidattn.topk_tiles";
+  require_int32(cu_tiles_q, fn, "cu_tiles_q");
+  require_int32(cu_tiles_k, fn, "cu_tiles_k");
   return translate_errors([&] {
     TORCH_CHECK_VALUE(q_pooled.dim() == 4 && k_pooled.dim() == 4, fn,
                       ": q_pooled and k_pooled must be 4-D [B, Tiles, H, D]");
@@ -282,6 +307,10 @@ std::tuple<Tensor, Tensor> block_sparse_attention_kernel(
     const Tensor& q2k_count, int64_t tile_volume, const OptTensor& q_block_sizes,
     const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic) {
   constexpr const char* fn = "vidattn.block_sparse_attention";
+  require_int32(q2k_index, fn, "q2k_index");
+  require_int32(q2k_count, fn, "q2k_count");
+  require_int32(q_block_sizes, fn, "q_block_sizes");
+  require_int32(kv_block_sizes, fn, "kv_block_sizes");
   return translate_errors([&] {
     const SparseArgs a{tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic};
     const TensorView qv = view_of(q, fn, "q"), kv = view_of(k, fn, "k"), vv = view_of(v, fn, "v");
@@ -301,6 +330,10 @@ std::tuple<Tensor, Tensor> block_sparse_attention_meta(
     const Tensor& q2k_count, int64_t tile_volume, const OptTensor& q_block_sizes,
     const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic) {
   constexpr const char* fn = "vidattn.block_sparse_attention";
+  require_int32(q2k_index, fn, "q2k_index");
+  require_int32(q2k_count, fn, "q2k_count");
+  require_int32(q_block_sizes, fn, "q_block_sizes");
+  require_int32(kv_block_sizes, fn, "kv_block_sizes");
   TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
                     ": q, k and v must be 4-D [B, S, H, D], got ", q.dim(), "-D, ", k.dim(),
                     "-D and ", v.dim(), "-D");
@@ -322,6 +355,8 @@ std::tuple<Tensor, Tensor> block_sparse_attention_meta(
 std::tuple<Tensor, Tensor> transpose_index_kernel(const Tensor& q2k_index, const Tensor& q2k_count,
                                                   int64_t num_kv_tiles) {
   constexpr const char* fn = "vidattn.block_sparse_transpose_index";
+  require_int32(q2k_index, fn, "q2k_index");
+  require_int32(q2k_count, fn, "q2k_count");
   return translate_errors([&] {
     TORCH_CHECK_VALUE(q2k_index.dim() == 4, fn, ": 'q2k_index' must be 4-D [B, Hq, Qtiles, MaxK]");
     TORCH_CHECK_VALUE(num_kv_tiles >= 0, fn, ": num_kv_tiles must be >= 0, got ", num_kv_tiles);
@@ -355,6 +390,10 @@ std::tuple<Tensor, Tensor, Tensor> block_sparse_backward_kernel(
     const Tensor& k2q_index, int64_t tile_volume, const OptTensor& q_block_sizes,
     const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic) {
   constexpr const char* fn = "vidattn.block_sparse_attention_backward";
+  require_int32(q2k_index, fn, "q2k_index");
+  require_int32(q2k_count, fn, "q2k_count");
+  require_int32(k2q_offsets, fn, "k2q_offsets");
+  require_int32(k2q_index, fn, "k2q_index");
   return translate_errors([&] {
     const SparseArgs a{tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic};
     Tensor dq = at::empty(q.sizes(), q.options());
@@ -442,10 +481,7 @@ std::tuple<Tensor, Tensor> block_sparse_attention_autograd(
 
 TORCH_LIBRARY_FRAGMENT(vidattn, m) {
   const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
-  m.def(
-      "vsa_tiling_metadata(int[] grids, int[] tile) -> (Tensor block_sizes, Tensor slot_to_token, "
-      "Tensor token_to_slot, Tensor cu_tiles, Tensor cu_tokens)",
-      tags);
+  m.def("vsa_tiling_metadata(int[] grids, int[] tile, *, Device? device=None) -> Tensor", tags);
   m.def("gather_tokens(Tensor x, Tensor index, Tensor inverse_index) -> Tensor", tags);
   m.def("tile_mean_pool(Tensor x, Tensor block_sizes, int tile_volume) -> Tensor", tags);
   m.def("tile_mean_pool_backward(Tensor grad_out, Tensor block_sizes, int tile_volume) -> Tensor",
@@ -474,8 +510,8 @@ TORCH_LIBRARY_FRAGMENT(vidattn, m) {
       tags);
 }
 
-// The metadata op has no tensor inputs: one kernel serves every backend (it builds host
-// tensors; VideoTiling moves them to the device once, at construction).
+// The metadata op has no tensor inputs: one kernel serves every backend (it builds on the
+// host and moves the result to `device`; meta devices get shapes only).
 TORCH_LIBRARY_IMPL(vidattn, CompositeExplicitAutograd, m) {
   m.impl("vsa_tiling_metadata", &tiling_metadata_kernel);
 }

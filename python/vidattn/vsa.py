@@ -52,13 +52,19 @@ class VideoTiling:
                 f"tile {self.tile_shape} has volume {self.tile_volume}; VSA supports tile volumes "
                 "64, 128 and 256 (e.g. (4, 4, 4), (4, 4, 8), (2, 8, 8), (4, 8, 8))")
         flat = [x for g in self.grids for x in g]
-        sizes, s2t, t2s, cu_tiles, cu_tokens = _ops.vsa_tiling_metadata(flat, list(self.tile_shape))
+        # One int32 tensor, built on the host: [cu_tiles | cu_tokens | block_sizes |
+        # slot_to_token | token_to_slot] (see torch/vsa_ops.cpp).
+        meta = _ops.vsa_tiling_metadata(flat, list(self.tile_shape))
+        n = len(self.grids)
+        cu_tiles, cu_tokens = meta[:n + 1], meta[n + 1:2 * n + 2]
         self.packed = grids is not None
         # Host integers, known at construction.
         self.tiles_per_video = [int(x) for x in torch.diff(cu_tiles).tolist()]
         self.num_tiles = int(cu_tiles[-1])
         self.num_tokens = int(cu_tokens[-1])
         self.padded_len = self.num_tiles * self.tile_volume
+        sizes, s2t, t2s = torch.split(meta[2 * n + 2:],
+                                      [self.num_tiles, self.padded_len, self.num_tokens])
         self.max_tiles_per_video = max(self.tiles_per_video)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.block_sizes = sizes.to(self.device)

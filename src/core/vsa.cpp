@@ -41,13 +41,15 @@ void shape_is(const ArgChecker& check, const TensorView& t, const char* name,
   }
 }
 
+// An int32 [length] vector on `device`; with need_data, also a data pointer (describe_*
+// entry points check metadata only, so that Meta tensors pass).
 void int32_vector(const ArgChecker& check, const TensorView& t, const char* name,
-                  std::int64_t length, Device device, const char* what) {
+                  std::int64_t length, Device device, const char* what, bool need_data = true) {
   check.ndim(t, name, 1, what);
   check.dtype(t, name, DType::kInt32);
   check.same_device(t, name, device);
   check.dim_equals(t, name, 0, length, what);
-  check.non_null(t, name);
+  if (need_data) check.non_null(t, name);
 }
 
 void tile_volume_ok(const ArgChecker& check, std::int64_t volume) {
@@ -318,10 +320,10 @@ BlockSparseProblem describe_sparse(const char* fn, const TensorView& q, const Te
   check.same_device(q2k_count, "q2k_count", q.device);
   if (o.q_block_sizes)
     int32_vector(check, *o.q_block_sizes, "q_block_sizes", p.q_tiles, q.device,
-                 "one per query tile");
+                 "one per query tile", false);
   if (o.kv_block_sizes)
     int32_vector(check, *o.kv_block_sizes, "kv_block_sizes", p.kv_tiles, q.device,
-                 "one per key tile");
+                 "one per key tile", false);
 
   p.scale = o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(p.head_dim));
   if (!std::isfinite(p.scale)) check.fail("argument 'scale' must be finite, got ", p.scale);
@@ -334,7 +336,9 @@ BlockSparseProblem describe_sparse(const char* fn, const TensorView& q, const Te
 
 void check_sparse_data(const ArgChecker& check, const TensorView& q, const TensorView& k,
                        const TensorView& v, const TensorView& q2k_index,
-                       const TensorView& q2k_count) {
+                       const TensorView& q2k_count, const BlockSparseOptions& o) {
+  if (o.q_block_sizes) check.non_null(*o.q_block_sizes, "q_block_sizes");
+  if (o.kv_block_sizes) check.non_null(*o.kv_block_sizes, "kv_block_sizes");
   check.non_null(q, "q");
   check.non_null(k, "k");
   check.non_null(v, "v");
@@ -369,7 +373,7 @@ void block_sparse_attention_forward(const TensorView& q, const TensorView& k, co
   constexpr const char* kFn = "vidattn::block_sparse_attention_forward";
   const ArgChecker check(kFn);
   const BlockSparseProblem p = describe_sparse(kFn, q, k, v, q2k_index, q2k_count, options);
-  check_sparse_data(check, q, k, v, q2k_index, q2k_count);
+  check_sparse_data(check, q, k, v, q2k_index, q2k_count, options);
   check_like(check, out, "out", {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, p.dtype,
              p.device);
   check_like(check, lse, "lse", {p.batch, p.heads_q, p.seqlen_q}, p.lse_dtype, p.device);
@@ -409,7 +413,7 @@ void block_sparse_attention_backward(const TensorView& q, const TensorView& k, c
   constexpr const char* kFn = "vidattn::block_sparse_attention_backward";
   const ArgChecker check(kFn);
   const BlockSparseProblem p = describe_sparse(kFn, q, k, v, q2k_index, q2k_count, options);
-  check_sparse_data(check, q, k, v, q2k_index, q2k_count);
+  check_sparse_data(check, q, k, v, q2k_index, q2k_count, options);
   check_like(check, out, "out", {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, p.dtype,
              p.device);
   check_like(check, lse, "lse", {p.batch, p.heads_q, p.seqlen_q}, p.lse_dtype, p.device);
