@@ -9,6 +9,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -16,17 +17,39 @@
 #include "../core/backends.h"
 #include "../core/check.h"
 #include "cpu_math.h"
+#include "microkernels_avx2.h"
 
 namespace vidattn::detail {
 namespace {
 
 using cpu::Storage;
 using cpu::visit_float_dtype;
+#if VIDATTN_CPU_AVX2
+namespace avx2 = cpu::avx2;
+#endif
+
+#if VIDATTN_CPU_AVX2
+constexpr bool kHaveAvx2 = true;
+#else
+constexpr bool kHaveAvx2 = false;
+#endif
+// The float path computes logits and P @ V with the AVX2 register tiles (k packed in
+// panels); float64, and machines without AVX2, use BLAS.
+template <class Acc>
+constexpr bool kUseTiles = kHaveAvx2 && std::is_same_v<Acc, float>;
 
 // Block sizes: the forward and both backward passes use the same grid, so the logits they
 // compute for one (query, key) pair are bit-identical.
 constexpr int kBlockQ = 128;
+
+// Elementwise passes (packing) smaller than this run on the calling thread: on a busy machine
+// each parallel region can cost a scheduler time slice, far more than the work itself.
+constexpr std::int64_t kMinParallelElements = std::int64_t(1) << 16;
 constexpr int kBlockK = 256;
+
+int threads_for(int threads, std::size_t tasks) {
+  return static_cast<int>(std::clamp<std::size_t>(tasks, 1, static_cast<std::size_t>(threads)));
+}
 
 // Where row r (a token) and head h of a [B, S, H, ...] or varlen [T, H, ...] tensor live;
 // rows count tokens of all sequences back to back.
@@ -104,7 +127,8 @@ std::vector<Acc> pack(const TensorView& t, bool varlen, std::int64_t rows, std::
   visit_float_dtype(t.dtype, [&](auto tag) {
     using S = Storage<decltype(tag)::value>;
     const auto* src = static_cast<const typename S::type*>(t.data);
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (heads * rows * dim >= kMinParallelElements)
     for (std::int64_t hr = 0; hr < heads * rows; ++hr) {
       const std::int64_t h = hr / rows, r = hr % rows;
       const auto* in = src + layout.offset(r, h);
@@ -167,6 +191,7 @@ struct Context {
     q = pack<Acc>(qt, p.varlen, rows_q, p.heads_q, p.head_dim, threads, Acc(p.scale));
     k = pack<Acc>(kt, p.varlen, rows_k, p.heads_kv, p.head_dim, threads);
     v = pack<Acc>(vt, p.varlen, rows_k, p.heads_kv, p.head_dim_v, threads);
+    if constexpr (kUseTiles<Acc>) pack_k_panels();
     if (!p.varlen) {
       k_valid = pack_mask(o.key_padding_mask, p.batch, p.seqlen_k);
       q_valid = pack_mask(o.query_padding_mask, p.batch, p.seqlen_q);
@@ -174,6 +199,35 @@ struct Context {
       q_valid.assign(static_cast<std::size_t>(rows_q), 1);
     }
   }
+
+#if VIDATTN_CPU_AVX2
+  // k of every (head, sequence) in 16-key panels, each sequence starting on a new panel.
+  std::vector<float> k_panels;
+  std::vector<std::int64_t> panel_row0;  // first panel row of each sequence
+  std::int64_t panel_rows = 0;           // panel rows per head
+
+  void pack_k_panels() {
+    for (std::int64_t b = 0; b < p.batch; ++b) {
+      panel_row0.push_back(panel_rows);
+      panel_rows += (seq.k_len[b] + avx2::kPanel - 1) / avx2::kPanel * avx2::kPanel;
+    }
+    k_panels.resize(static_cast<std::size_t>(p.heads_kv * panel_rows * p.head_dim));
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static) \
+    if (p.heads_kv * panel_rows * p.head_dim >= kMinParallelElements)
+    for (std::int64_t h = 0; h < p.heads_kv; ++h)
+      for (std::int64_t b = 0; b < p.batch; ++b)
+        avx2::pack_panels(k_rows(h, seq.k_start[b]), static_cast<int>(seq.k_len[b]),
+                          static_cast<int>(p.head_dim), k_panel(h, b, 0));
+  }
+  float* k_panel(std::int64_t h, std::int64_t b, std::int64_t j0) {
+    return k_panels.data() + (h * panel_rows + panel_row0[b] + j0) * p.head_dim;
+  }
+  const float* k_panel(std::int64_t h, std::int64_t b, std::int64_t j0) const {
+    return k_panels.data() + (h * panel_rows + panel_row0[b] + j0) * p.head_dim;
+  }
+#else
+  void pack_k_panels() {}
+#endif
 
   std::int64_t kv_head(std::int64_t hq) const { return hq / (p.heads_q / p.heads_kv); }
   const Acc* q_rows(std::int64_t h, std::int64_t row) const {
@@ -198,8 +252,15 @@ struct Context {
   void scores(std::int64_t b, std::int64_t hq, std::int64_t i0, int rows, std::int64_t j0,
               int cols, Acc* S) const {
     const int D = static_cast<int>(p.head_dim);
-    cpu::gemm_nt<Acc>(rows, cols, D, q_rows(hq, seq.q_start[b] + i0), D,
-                      k_rows(kv_head(hq), seq.k_start[b] + j0), D, Acc(0), S, kBlockK);
+#if VIDATTN_CPU_AVX2
+    if constexpr (kUseTiles<Acc>)
+      avx2::gemm_nt_panels(rows, (cols + avx2::kPanel - 1) / avx2::kPanel, D,
+                           q_rows(hq, seq.q_start[b] + i0), D, k_panel(kv_head(hq), b, j0), S,
+                           kBlockK);
+    else
+#endif
+      cpu::gemm_nt<Acc>(rows, cols, D, q_rows(hq, seq.q_start[b] + i0), D,
+                        k_rows(kv_head(hq), seq.k_start[b] + j0), D, Acc(0), S, kBlockK);
     const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
     const std::int64_t causal_shift = seq.k_len[b] - seq.q_len[b];
     const std::uint8_t* kv = has_key_mask ? k_valid.data() + seq.k_start[b] + j0 : nullptr;
@@ -218,6 +279,27 @@ struct Context {
 };
 
 template <class Acc>
+Acc row_max(const Acc* s, int n) {
+#if VIDATTN_CPU_AVX2
+  if constexpr (kUseTiles<Acc>) return avx2::row_max(s, n);
+#endif
+  Acc result = -std::numeric_limits<Acc>::infinity();
+  for (int x = 0; x < n; ++x) result = std::max(result, s[x]);
+  return result;
+}
+
+// s[x] = exp(s[x] - shift); returns their sum.
+template <class Acc>
+Acc exp_shift_sum(Acc* s, int n, Acc shift) {
+#if VIDATTN_CPU_AVX2
+  if constexpr (kUseTiles<Acc>) return avx2::exp_shift_sum(s, n, shift);
+#endif
+  Acc sum = 0;
+  for (int x = 0; x < n; ++x) sum += (s[x] = cpu::exp_approx(s[x] - shift));
+  return sum;
+}
+
+template <class Acc>
 void forward(const AttentionProblem& p, const TensorView& qt, const TensorView& kt,
              const TensorView& vt, const TensorView& out, const TensorView& lse,
              const AttentionOptions& o, const ArgChecker& check) {
@@ -233,7 +315,7 @@ void forward(const AttentionProblem& p, const TensorView& qt, const TensorView& 
       for (std::int64_t i0 = 0; i0 < c.seq.q_len[b]; i0 += kBlockQ) tasks.push_back({b, h, i0});
 
   const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
-#pragma omp parallel num_threads(c.threads)
+#pragma omp parallel num_threads(threads_for(c.threads, tasks.size()))
   {
     std::vector<Acc> S(kBlockQ * kBlockK), acc(kBlockQ * Dv), m(kBlockQ), l(kBlockQ);
 #pragma omp for schedule(dynamic)
@@ -249,20 +331,12 @@ void forward(const AttentionProblem& p, const TensorView& qt, const TensorView& 
         c.scores(b, h, i0, rows, j0, cols, S.data());
         for (int r = 0; r < rows; ++r) {
           Acc* s = S.data() + r * kBlockK;
-          Acc row_max = neg_inf;
-#pragma omp simd reduction(max : row_max)
-          for (int x = 0; x < cols; ++x) row_max = std::max(row_max, s[x]);
-          const Acc m_new = std::max(m[r], row_max);
+          const Acc m_new = std::max(m[r], row_max(s, cols));
           if (m_new == neg_inf) {  // nothing visible yet: keep the row empty, avoid inf - inf
             std::fill(s, s + cols, Acc(0));
             continue;
           }
-          Acc sum = 0;
-#pragma omp simd reduction(+ : sum)
-          for (int x = 0; x < cols; ++x) {
-            s[x] = cpu::exp_approx(s[x] - m_new);
-            sum += s[x];
-          }
+          const Acc sum = exp_shift_sum(s, cols, m_new);
           const Acc alpha = cpu::exp_approx(m[r] - m_new);
           if (alpha != Acc(1)) {
             Acc* a = acc.data() + r * Dv;
@@ -272,9 +346,15 @@ void forward(const AttentionProblem& p, const TensorView& qt, const TensorView& 
           l[r] = l[r] * alpha + sum;
           m[r] = m_new;
         }
-        cpu::gemm_nn<Acc>(rows, static_cast<int>(Dv), cols, S.data(), kBlockK,
-                          c.v_rows(c.kv_head(h), c.seq.k_start[b] + j0), static_cast<int>(Dv),
-                          Acc(1), acc.data(), static_cast<int>(Dv));
+        const Acc* v_block = c.v_rows(c.kv_head(h), c.seq.k_start[b] + j0);
+#if VIDATTN_CPU_AVX2
+        if constexpr (kUseTiles<Acc>)
+          avx2::gemm_nn_acc(rows, static_cast<int>(Dv), cols, S.data(), kBlockK, v_block,
+                            static_cast<int>(Dv), acc.data(), static_cast<int>(Dv));
+        else
+#endif
+          cpu::gemm_nn<Acc>(rows, static_cast<int>(Dv), cols, S.data(), kBlockK, v_block,
+                            static_cast<int>(Dv), Acc(1), acc.data(), static_cast<int>(Dv));
       }
       for (int r = 0; r < rows; ++r) {
         const std::int64_t row = c.seq.q_start[b] + i0 + r;
@@ -307,7 +387,8 @@ void backward(const AttentionProblem& p, const TensorView& qt, const TensorView&
   const std::vector<Acc> o_packed = pack<Acc>(out, p.varlen, c.rows_q, Hq, Dv, c.threads);
   std::vector<Acc> delta(static_cast<std::size_t>(Hq * c.rows_q)), lse(delta.size());
   const RowLayout lse_layout = lse_rows(lse_t, p.varlen);
-#pragma omp parallel for num_threads(c.threads) schedule(static)
+#pragma omp parallel for num_threads(c.threads) schedule(static) \
+    if (Hq * c.rows_q * Dv >= kMinParallelElements)
   for (std::int64_t hr = 0; hr < Hq * c.rows_q; ++hr) {
     const std::int64_t h = hr / c.rows_q, r = hr % c.rows_q;
     Acc sum = 0;
@@ -355,7 +436,7 @@ void backward(const AttentionProblem& p, const TensorView& qt, const TensorView&
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads_kv; ++h)
       for (std::int64_t j0 = 0; j0 < c.seq.k_len[b]; j0 += kBlockK) kv_tasks.push_back({b, h, j0});
-#pragma omp parallel num_threads(c.threads)
+#pragma omp parallel num_threads(threads_for(c.threads, kv_tasks.size()))
   {
     std::vector<Acc> S(kBlockQ * kBlockK), dP(kBlockQ * kBlockK);
     std::vector<Acc> dk_acc(kBlockK * D), dv_acc(kBlockK * Dv);
@@ -392,7 +473,7 @@ void backward(const AttentionProblem& p, const TensorView& qt, const TensorView&
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < Hq; ++h)
       for (std::int64_t i0 = 0; i0 < c.seq.q_len[b]; i0 += kBlockQ) q_tasks.push_back({b, h, i0});
-#pragma omp parallel num_threads(c.threads)
+#pragma omp parallel num_threads(threads_for(c.threads, q_tasks.size()))
   {
     std::vector<Acc> S(kBlockQ * kBlockK), dP(kBlockQ * kBlockK), dq_acc(kBlockQ * D);
 #pragma omp for schedule(dynamic)
@@ -422,6 +503,7 @@ void cpu_attention_forward(const AttentionProblem& p, const TensorView& q, const
                            const TensorView& v, const TensorView& out, const TensorView& lse,
                            const AttentionOptions& options) {
   const ArgChecker check("vidattn::attention_forward");
+  cpu::blas_use_one_thread();
   if (p.dtype == DType::kFloat64)
     forward<double>(p, q, k, v, out, lse, options, check);
   else
@@ -434,6 +516,7 @@ void cpu_attention_backward(const AttentionProblem& p, const TensorView& q,
                             const TensorView& dq, const TensorView& dk, const TensorView& dv,
                             const AttentionOptions& options) {
   const ArgChecker check("vidattn::attention_backward");
+  cpu::blas_use_one_thread();
   if (p.dtype == DType::kFloat64)
     backward<double>(p, q, k, v, out, lse, grad_out, dq, dk, dv, options, check);
   else

@@ -134,6 +134,13 @@ template <class T>
 void gemm_tn(int M, int N, int K, const T* A, int lda, const T* B, int ldb, T beta, T* C,
              int ldc);
 
+// vidattn runs one BLAS call per OpenMP thread: keep OpenBLAS from adding threads of its own.
+inline void blas_use_one_thread() {
+#if VIDATTN_HAVE_CBLAS && defined(OPENBLAS_VERSION)
+  if (openblas_get_num_threads() != 1) openblas_set_num_threads(1);
+#endif
+}
+
 #if VIDATTN_HAVE_CBLAS
 inline void blas_gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, int M, int N, int K,
                       const float* A, int lda, const float* B, int ldb, float beta, float* C,
