@@ -394,6 +394,32 @@ def test_vsa_matches_float64_reference(case):
                   magnitude)
 
 
+def test_vsa_grouped_heads_against_reference():
+    t = vidattn.VideoTiling((5, 7, 9), (4, 4, 4))
+    q = t.tile(randn((2, t.num_tokens, 6, 64), 130, torch.bfloat16, 4.0)).requires_grad_()
+    k = t.tile(randn((2, t.num_tokens, 2, 64), 131, torch.bfloat16, 4.0)).requires_grad_()
+    v = t.tile(randn((2, t.num_tokens, 2, 64), 132, torch.bfloat16)).requires_grad_()
+    out, (idx, cnt) = vidattn.video_sparse_attention(q, k, v, tiling=t, topk=3,
+                                                     return_selection=True)
+    s = ref.coarse_scores(q, k, t, None)
+    chosen = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, idx.long(), True)
+    tol = 2e-2 * (s.abs().amax(-1, keepdim=True) + 1)
+    assert (s.masked_fill(~chosen, float("inf")).amin(-1) >=
+            s.masked_fill(chosen, float("-inf")).amax(-1) - tol[..., 0]).all()
+    dout = randn(out.shape, 133, torch.bfloat16)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+
+    def run_ref(dt):
+        xs = [x.detach().to(dt).requires_grad_() for x in (q, k, v)]
+        o = ref.video_sparse(*xs, t, None, idx, cnt, None, None)
+        return (o, *torch.autograd.grad(o, xs, dout.to(dt)))
+
+    r64, rlp = run_ref(torch.float64), run_ref(torch.bfloat16)
+    for i, got in enumerate((out, *grads)):
+        assert_2x(("out", "dq", "dk", "dv")[i], got, r64[i], rlp[i], torch.bfloat16,
+                  3.0 if i == 1 else 2.0)
+
+
 def test_vsa_sparsity_argument_and_bad_inputs():
     t = vidattn.VideoTiling((9, 10, 7), (4, 4, 4))
     q = randn((1, t.padded_len, 2, 64), 50, torch.float32)
