@@ -36,6 +36,13 @@ void require_int32(const OptTensor& t, const char* fn, const char* name) {
   if (t && t->defined()) require_int32(*t, fn, name);
 }
 
+// A gradient the kernels can take: unit stride in the last dimension (expanded gradients,
+// e.g. of a sum, have stride 0; an empty one may keep any strides).
+Tensor unit_stride_grad(const Tensor& grad) {
+  if (grad.numel() == 0) return at::empty(grad.sizes(), grad.options());
+  return grad.stride(-1) == 1 ? grad : grad.contiguous();
+}
+
 Tensor int32_empty(c10::SymIntArrayRef shape, const Tensor& like) {
   return at::empty_symint(shape, like.options().dtype(at::kInt));
 }
@@ -125,8 +132,7 @@ class GatherTokensFunction : public torch::autograd::Function<GatherTokensFuncti
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto op = find_op<decltype(gather_tokens_kernel)>("vidattn::gather_tokens");
     const auto saved = ctx->get_saved_variables();
-    Tensor grad = grads[0];
-    if (grad.stride(-1) != 1) grad = grad.contiguous();
+    const Tensor grad = unit_stride_grad(grads[0]);
     // index and inverse_index are inverse partial permutations: the gather's transpose is the
     // gather with the two swapped (slots that hold padding receive no gradient).
     return {op.call(grad, saved[1], saved[0]), Tensor(), Tensor()};
@@ -200,8 +206,7 @@ class TileMeanPoolFunction : public torch::autograd::Function<TileMeanPoolFuncti
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     static auto op =
         find_op<decltype(tile_mean_pool_backward_kernel)>("vidattn::tile_mean_pool_backward");
-    Tensor grad = grads[0];
-    if (grad.stride(-1) != 1) grad = grad.contiguous();
+    const Tensor grad = unit_stride_grad(grads[0]);
     return {op.call(grad, ctx->get_saved_variables()[0], ctx->saved_data["tile_volume"].toInt()),
             Tensor(), Tensor()};
   }
@@ -453,8 +458,7 @@ class BlockSparseFunction : public torch::autograd::Function<BlockSparseFunction
         "vidattn::block_sparse_attention_backward");
     const auto s = ctx->get_saved_variables();
     const Tensor& out = s[3];
-    Tensor grad = grads[0].defined() ? grads[0] : at::zeros_like(out);
-    if (grad.dim() > 0 && grad.stride(-1) != 1) grad = grad.contiguous();
+    const Tensor grad = grads[0].defined() ? unit_stride_grad(grads[0]) : at::zeros_like(out);
     const auto& d = ctx->saved_data;
     const int64_t tile_volume = d.at("tile_volume").toInt();
     // The transposed index exists only here, when a gradient is wanted.

@@ -588,3 +588,25 @@ def test_compiled_model_has_no_graph_breaks_and_matches_eager():
     ge = torch.autograd.grad(eager_out.square().sum(), x)[0]
     gc = torch.autograd.grad(compiled_out.square().sum(), x)[0]
     torch.testing.assert_close(gc, ge, atol=1e-10, rtol=0)
+
+
+@pytest.mark.parametrize("B,Qt,Kt", [(0, 2, 2), (1, 0, 2), (1, 2, 0), (0, 0, 0)])
+def test_block_sparse_empty_inputs(B, Qt, Kt):
+    q = randn((B, Qt * 64, 2, 16), 140).requires_grad_()
+    k = randn((B, Kt * 64, 2, 16), 141).requires_grad_()
+    v = randn((B, Kt * 64, 2, 16), 142).requires_grad_()
+    idx = torch.full((B, 2, Qt, min(2, Kt)), -1, dtype=torch.int32)
+    cnt = torch.zeros((B, 2, Qt), dtype=torch.int32)
+    out, lse = vidattn.block_sparse_attention(q, k, v, idx, cnt, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (B, 2, Qt * 64)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    for g, x in zip(torch.autograd.grad(out.sum(), (q, k, v)), (q, k, v)):
+        assert g.shape == x.shape and (g == 0).all()
+
+
+def test_vsa_empty_batch():
+    t = vidattn.VideoTiling((1, 1, 1), (4, 4, 4))
+    x = torch.zeros(0, 64, 1, 8, requires_grad=True)
+    out = vidattn.video_sparse_attention(x, x, x, tiling=t, topk=1)
+    assert out.shape == x.shape
+    assert torch.autograd.grad(out.sum(), x)[0].shape == x.shape
