@@ -610,3 +610,22 @@ def test_vsa_empty_batch():
     out = vidattn.video_sparse_attention(x, x, x, tiling=t, topk=1)
     assert out.shape == x.shape
     assert torch.autograd.grad(out.sum(), x)[0].shape == x.shape
+
+
+def test_block_sparse_results_do_not_depend_on_thread_count():
+    t = vidattn.VideoTiling((9, 10, 7), (4, 4, 4))
+    q, k, v = (randn((2, t.padded_len, 3, 64), s, torch.float32).requires_grad_()
+               for s in (150, 151, 152))
+    dout = randn(q.shape, 153, torch.float32)
+    results = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            out = vidattn.video_sparse_attention(q, k, v, tiling=t, topk=4)
+            results.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
