@@ -458,10 +458,22 @@ struct SparsePattern {
                       qb.tile * q2k_index.stride[2];
     const std::int32_t n = static_cast<const std::int32_t*>(q2k_count.data)
         [qb.b * q2k_count.stride[0] + qb.h * q2k_count.stride[1] + qb.tile * q2k_count.stride[2]];
+    // Consecutive selected tiles are one span while the keys stay contiguous (every tile but
+    // the last of a span is full) and the span fits a key block: fewer, longer products.
+    KeySpan span{0, 0};
     for (std::int32_t s = 0; s < n; ++s) {
       const std::int32_t tile = idx[s * q2k_index.stride[3]];
-      if (kv_sizes[tile] > 0) f(KeySpan{tile * p.tile_volume, kv_sizes[tile]});
+      const int size = kv_sizes[tile];
+      if (size == 0) continue;
+      const std::int64_t j0 = tile * p.tile_volume;
+      if (span.cols > 0 && span.j0 + span.cols == j0 && span.cols + size <= kBlockK) {
+        span.cols += size;
+        continue;
+      }
+      if (span.cols > 0) f(span);
+      span = KeySpan{j0, size};
     }
+    if (span.cols > 0) f(span);
   }
 
   template <class Acc>
