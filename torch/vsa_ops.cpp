@@ -2,6 +2,7 @@
 // the differentiable ones (tile/untile gathers, tile pooling, block-sparse attention). The
 // kernels allocate outputs and call the torch-free C++ API in vidattn/vsa.h.
 #include <ATen/ATen.h>
+#include <ATen/DeviceGuard.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -96,6 +97,7 @@ Tensor tiling_metadata_kernel(c10::IntArrayRef grids, c10::IntArrayRef tile,
 
 Tensor gather_tokens_kernel(const Tensor& x, const Tensor& index, const Tensor& inverse_index) {
   constexpr const char* fn = "vidattn.gather_tokens";
+  const at::OptionalDeviceGuard device_guard(at::device_of(x));  // run on the inputs' device
   require_int32(index, fn, "index");
   require_int32(inverse_index, fn, "inverse_index");
   return translate_errors([&] {
@@ -148,6 +150,7 @@ Tensor gather_tokens_autograd(const Tensor& x, const Tensor& index, const Tensor
 
 Tensor tile_mean_pool_kernel(const Tensor& x, const Tensor& block_sizes, int64_t tile_volume) {
   constexpr const char* fn = "vidattn.tile_mean_pool";
+  const at::OptionalDeviceGuard device_guard(at::device_of(x));  // run on the inputs' device
   require_int32(block_sizes, fn, "block_sizes");
   return translate_errors([&] {
     const TensorView xv = view_of(x, fn, "x");
@@ -174,6 +177,7 @@ Tensor tile_mean_pool_meta(const Tensor& x, const Tensor& block_sizes, int64_t t
 Tensor tile_mean_pool_backward_kernel(const Tensor& grad_out, const Tensor& block_sizes,
                                       int64_t tile_volume) {
   constexpr const char* fn = "vidattn.tile_mean_pool_backward";
+  const at::OptionalDeviceGuard device_guard(at::device_of(grad_out));  // run on the inputs' device
   require_int32(block_sizes, fn, "block_sizes");
   return translate_errors([&] {
     const TensorView gv = view_of(grad_out, fn, "grad_out");
@@ -225,6 +229,7 @@ std::tuple<Tensor, Tensor> topk_tiles_kernel(const Tensor& q_pooled, const Tenso
                                              const OptTensor& cu_tiles_q,
                                              const OptTensor& cu_tiles_k) {
   constexpr const char* fn = "vidattn.topk_tiles";
+  const at::OptionalDeviceGuard device_guard(at::device_of(q_pooled));  // run on the inputs' device
   require_int32(cu_tiles_q, fn, "cu_tiles_q");
   require_int32(cu_tiles_k, fn, "cu_tiles_k");
   return translate_errors([&] {
@@ -264,6 +269,7 @@ std::tuple<Tensor, Tensor> topk_tiles_meta(const Tensor& q_pooled, const Tensor&
 
 std::tuple<Tensor, Tensor> topk_tiles_from_scores_kernel(const Tensor& scores, int64_t topk) {
   constexpr const char* fn = "vidattn.topk_tiles_from_scores";
+  const at::OptionalDeviceGuard device_guard(at::device_of(scores));  // run on the inputs' device
   return translate_errors([&] {
     TORCH_CHECK_VALUE(scores.dim() == 4, fn, ": 'scores' must be 4-D [B, H, Qtiles, Ktiles], got ",
                       scores.dim(), "-D");
@@ -313,6 +319,7 @@ std::tuple<Tensor, Tensor> block_sparse_attention_kernel(
     const Tensor& q2k_count, int64_t tile_volume, const OptTensor& q_block_sizes,
     const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic) {
   constexpr const char* fn = "vidattn.block_sparse_attention";
+  const at::OptionalDeviceGuard device_guard(at::device_of(q));  // run on the inputs' device
   require_int32(q2k_index, fn, "q2k_index");
   require_int32(q2k_count, fn, "q2k_count");
   require_int32(q_block_sizes, fn, "q_block_sizes");
@@ -361,6 +368,7 @@ std::tuple<Tensor, Tensor> block_sparse_attention_meta(
 std::tuple<Tensor, Tensor> transpose_index_kernel(const Tensor& q2k_index, const Tensor& q2k_count,
                                                   int64_t num_kv_tiles) {
   constexpr const char* fn = "vidattn.block_sparse_transpose_index";
+  const at::OptionalDeviceGuard device_guard(at::device_of(q2k_index));  // run on the inputs' device
   require_int32(q2k_index, fn, "q2k_index");
   require_int32(q2k_count, fn, "q2k_count");
   return translate_errors([&] {
@@ -396,6 +404,7 @@ std::tuple<Tensor, Tensor, Tensor> block_sparse_backward_kernel(
     const Tensor& k2q_index, int64_t tile_volume, const OptTensor& q_block_sizes,
     const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic) {
   constexpr const char* fn = "vidattn.block_sparse_attention_backward";
+  const at::OptionalDeviceGuard device_guard(at::device_of(q));  // run on the inputs' device
   require_int32(q2k_index, fn, "q2k_index");
   require_int32(q2k_count, fn, "q2k_count");
   require_int32(k2q_offsets, fn, "k2q_offsets");
