@@ -1,6 +1,7 @@
 // Video Sparse Attention (VSA) building blocks: video tiling, the coarse stage (tile mean
 // pooling, top-k tile selection) and index-native block-sparse attention. Torch-free; every
-// tensor is a TensorView. The algorithm is described in docs of the project (spec vsa.md).
+// tensor is a TensorView. The algorithm follows the project's VSA spec (shared/spec/vsa.md);
+// the attention itself runs on the same CPU mainloop as dense attention (attention_cpu.cpp).
 //
 // Tiled layout. A T x H x W token grid (raster order) is cut into tiles of tile.t x tile.h x
 // tile.w tokens, t-major then h then w; edge tiles are truncated. Tile i owns the slots
@@ -99,7 +100,8 @@ void tile_mean_pool_backward(const TensorView& grad_out, const TensorView& block
                              std::int64_t tile_volume, const TensorView& grad_x,
                              int num_threads = 0);
 
-// clamp(ceil((1 - sparsity) * num_kv_tiles), 1, num_kv_tiles); sparsity in [0, 1].
+// clamp(ceil((1 - sparsity) * num_kv_tiles), 1, num_kv_tiles); sparsity in [0, 1]. A 1e-9 slack
+// inside the ceil keeps float noise from adding a tile ((1 - 0.8) * 10 gives 2, not 3).
 std::int64_t topk_from_sparsity(double sparsity, std::int64_t num_kv_tiles);
 
 struct TopkOptions {
