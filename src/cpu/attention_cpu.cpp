@@ -532,38 +532,41 @@ void forward(const Context<Acc>& c, const Pattern& pattern, bool varlen, const T
       std::fill(acc.begin(), acc.end(), Acc(0));
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), Acc(0));
-      if (rows > 0)
-        pattern.for_each_key_span(qb, [&](const KeySpan& sp) {
-          const int cols = sp.cols;
-          c.scores(b, h, i0, rows, sp.j0, cols, S.data());
-          pattern.mask(qb, rows, sp, S.data());
-          for (int r = 0; r < rows; ++r) {
-            Acc* s = S.data() + r * kBlockK;
-            const Acc m_new = std::max(m[r], row_max(s, cols));
-            if (m_new == neg_inf) {  // nothing visible yet: keep the row empty, avoid inf - inf
-              std::fill(s, s + cols, Acc(0));
-              continue;
-            }
-            const Acc sum = exp_shift_sum(s, cols, m_new);
-            const Acc alpha = cpu::exp_approx(m[r] - m_new);
-            if (alpha != Acc(1)) {
-              Acc* a = acc.data() + r * Dv;
-#pragma omp simd
-              for (std::int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
-            }
-            l[r] = l[r] * alpha + sum;
-            m[r] = m_new;
+      // The span body takes raw pointers and sizes by value, so that the compiler keeps them
+      // in registers across the per-row loops.
+      auto visit_span = [&c, &pattern, &qb, Sp = S.data(), ap = acc.data(), mp = m.data(),
+                         lp = l.data(), rows, Dv, b, h, i0, neg_inf](const KeySpan& sp) {
+        const int cols = sp.cols;
+        c.scores(b, h, i0, rows, sp.j0, cols, Sp);
+        pattern.mask(qb, rows, sp, Sp);
+        for (int r = 0; r < rows; ++r) {
+          Acc* s = Sp + r * kBlockK;
+          const Acc m_new = std::max(mp[r], row_max(s, cols));
+          if (m_new == neg_inf) {  // nothing visible yet: keep the row empty, avoid inf - inf
+            std::fill(s, s + cols, Acc(0));
+            continue;
           }
-          const Acc* v_block = c.v_rows(c.kv_head(h), c.seq.k_start[b] + sp.j0);
+          const Acc sum = exp_shift_sum(s, cols, m_new);
+          const Acc alpha = cpu::exp_approx(mp[r] - m_new);
+          if (alpha != Acc(1)) {
+            Acc* a = ap + r * Dv;
+#pragma omp simd
+            for (std::int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
+          }
+          lp[r] = lp[r] * alpha + sum;
+          mp[r] = m_new;
+        }
+        const Acc* v_block = c.v_rows(c.kv_head(h), c.seq.k_start[b] + sp.j0);
 #if VIDATTN_CPU_AVX2
-          if constexpr (kUseTiles<Acc>)
-            avx2::gemm_nn_acc(rows, static_cast<int>(Dv), cols, S.data(), kBlockK, v_block,
-                              static_cast<int>(Dv), acc.data(), static_cast<int>(Dv));
-          else
+        if constexpr (kUseTiles<Acc>)
+          avx2::gemm_nn_acc(rows, static_cast<int>(Dv), cols, Sp, kBlockK, v_block,
+                            static_cast<int>(Dv), ap, static_cast<int>(Dv));
+        else
 #endif
-            cpu::gemm_nn<Acc>(rows, static_cast<int>(Dv), cols, S.data(), kBlockK, v_block,
-                              static_cast<int>(Dv), Acc(1), acc.data(), static_cast<int>(Dv));
-        });
+          cpu::gemm_nn<Acc>(rows, static_cast<int>(Dv), cols, Sp, kBlockK, v_block,
+                            static_cast<int>(Dv), Acc(1), ap, static_cast<int>(Dv));
+      };
+      if (rows > 0) pattern.for_each_key_span(qb, visit_span);
       for (int r = 0; r < qb.rows; ++r) {
         const std::int64_t row = c.seq.q_start[b] + i0 + r;
         const bool empty = r >= rows || l[r] == Acc(0) || !pattern.query_row_valid(row);
