@@ -5,3 +5,4 @@
 #include "vidattn/error.h"
 #include "vidattn/tensor_view.h"
 #include "vidattn/version.h"
+#include "vidattn/vsa.h"

@@ -12,6 +12,30 @@ import torch as _torch
 _torch.ops.load_library(_os.path.join(_os.path.dirname(__file__), "_vidattn_ops.so"))
 
 from ._attention import attention, attention_varlen  # noqa: E402
+from .vsa import (  # noqa: E402
+    VideoTiling,
+    block_sparse_attention,
+    pack_videos,
+    select_topk_tiles,
+    tile_mean_pool,
+    topk_from_sparsity,
+    topk_tiles_from_scores,
+    unpack_videos,
+    video_sparse_attention,
+)
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_varlen", "__version__"]
+__all__ = [
+    "attention",
+    "attention_varlen",
+    "VideoTiling",
+    "block_sparse_attention",
+    "pack_videos",
+    "select_topk_tiles",
+    "tile_mean_pool",
+    "topk_from_sparsity",
+    "topk_tiles_from_scores",
+    "unpack_videos",
+    "video_sparse_attention",
+    "__version__",
+]
