@@ -239,7 +239,8 @@ def test_cli_vsa_rows_and_selection_png(tmp_path):
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(out.read_text())["rows"]
     assert {(r["impl"], r["dtype"]) for r in rows} == {
-        (impl, dtype) for impl in ("vidattn-vsa", "vidattn-dense") for dtype in ("fp32", "bf16")}
+        (impl, dtype) for impl in ("vidattn-vsa", "vidattn-dense", "sdpa")
+        for dtype in ("fp32", "bf16")}
     for r in rows:
         assert r["status"] == "ok" and r["direction"] == "fwd", r
         assert r["shape"]["grid"] == [5, 7, 9] and r["shape"]["sparsity"] == 0.75
