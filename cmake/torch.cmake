@@ -15,7 +15,7 @@ list(GET _torch_info 1 VIDATTN_TORCH_CXX11_ABI)
 list(GET _torch_info 2 VIDATTN_TORCH_VERSION)
 message(STATUS "vidattn: building the op library against torch ${VIDATTN_TORCH_VERSION} in ${VIDATTN_TORCH_DIR}")
 
-add_library(vidattn_torch MODULE torch/ops.cpp)
+add_library(vidattn_torch MODULE torch/ops.cpp torch/rope_ops.cpp)
 target_include_directories(vidattn_torch SYSTEM PRIVATE
   ${VIDATTN_TORCH_DIR}/include
   ${VIDATTN_TORCH_DIR}/include/torch/csrc/api/include)

@@ -3,5 +3,6 @@
 
 #include "vidattn/attention.h"
 #include "vidattn/error.h"
+#include "vidattn/rope.h"
 #include "vidattn/tensor_view.h"
 #include "vidattn/version.h"
