@@ -1,0 +1,319 @@
+"""vidattn.DistributedAttention on 2 and 4 CPU processes (gloo), spawned by the tests: the
+output shard and every gradient equal the single-process result on the same inputs, for dense
+attention (with and without replicated tokens, padding, RoPE, grouped heads) and VSA; and the
+layer compiles with fullgraph=True, zero graph breaks, matching eager, under gloo."""
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import vidattn
+
+HAVE_VSA = hasattr(vidattn, "video_sparse_attention")
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a hung collective fails the workers
+JOIN_TIMEOUT_S = 240  # and a hung process fails the test
+
+
+# ---- the single-process reference (no collective, no DistributedAttention code) -----------
+
+def _make_case(seed, *, world, s_local, seq_len, heads=4, kv_heads=None, head_dim=16,
+               head_dim_v=None, text_len=0, rope=None, gate=False, dtype=torch.float32, batch=2):
+    """Global inputs, identical on every rank (same seed)."""
+    gen = torch.Generator().manual_seed(seed)
+    kv_heads = kv_heads or heads
+    head_dim_v = head_dim_v or head_dim
+    padded = world * s_local
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    case = {
+        "q": rnd(batch, padded, heads, head_dim),
+        "k": rnd(batch, padded, kv_heads, head_dim),
+        "v": rnd(batch, padded, kv_heads, head_dim_v),
+        "grad_out": rnd(batch, padded, heads, head_dim_v),
+        "seq_len": seq_len,
+        "rope": rope,
+    }
+    if rope is not None:
+        width = head_dim if rope == "full" else head_dim // 2
+        theta = torch.rand(seq_len, width, generator=gen, dtype=torch.float64) * 6.0
+        case["cos"], case["sin"] = theta.cos().float(), theta.sin().float()
+    if text_len:
+        case["text"] = (rnd(batch, text_len, heads, head_dim), rnd(batch, text_len, kv_heads, head_dim),
+                        rnd(batch, text_len, kv_heads, head_dim_v))
+        case["grad_text"] = rnd(batch, text_len, heads, head_dim_v)
+    if gate:
+        case["gate"] = rnd(batch, padded, heads, head_dim)
+    return case
+
+
+def _reference(case, backend, tiling=None, topk=None):
+    """Full-sequence attention in one process: output and gradients of the loss
+    sum(out * grad_out) + sum(text_out * grad_text)."""
+    leaves = {name: case[name].clone().requires_grad_(True) for name in ("q", "k", "v")}
+    n = case["seq_len"]
+    q, k, v = (leaves[name][:, :n] for name in ("q", "k", "v"))
+    if case["rope"] is not None:
+        q = vidattn.apply_rope(q, case["cos"], case["sin"])
+        k = vidattn.apply_rope(k, case["cos"], case["sin"])
+    text_leaves = None
+    if "text" in case:
+        text_leaves = [t.clone().requires_grad_(True) for t in case["text"]]
+        q, k, v = (torch.cat([a, b], dim=1) for a, b in zip((q, k, v), text_leaves))
+    if backend == "dense":
+        out = vidattn.attention(q, k, v)
+    else:
+        gate = None
+        if "gate" in case:
+            leaves["gate"] = case["gate"].clone().requires_grad_(True)
+            gate = tiling.tile(leaves["gate"][:, :n])
+        out = tiling.untile(vidattn.video_sparse_attention(
+            tiling.tile(q), tiling.tile(k), tiling.tile(v), tiling=tiling, topk=topk, gate=gate))
+    loss = (out[:, :n] * case["grad_out"][:, :n]).sum()
+    result = {"out": torch.nn.functional.pad(out[:, :n], (0, 0, 0, 0, 0, case["q"].shape[1] - n))}
+    if text_leaves is not None:
+        result["text_out"] = out[:, n:]
+        loss = loss + (out[:, n:] * case["grad_text"]).sum()
+    loss.backward()
+    for name, leaf in leaves.items():
+        result["d" + name] = leaf.grad
+    if text_leaves is not None:
+        for name, leaf in zip(("dtext_q", "dtext_k", "dtext_v"), text_leaves):
+            result[name] = leaf.grad
+    return {k_: v_.detach() for k_, v_ in result.items()}
+
+
+def _run_sharded(case, module, world, rank, group=None):
+    """This rank's part: shards in, the loss counting the replicated output once in total."""
+    s_local = case["q"].shape[1] // world
+    rows = slice(rank * s_local, (rank + 1) * s_local)
+    names = ["q", "k", "v"] + (["gate"] if "gate" in case else [])
+    shards = {name: case[name][:, rows].clone().requires_grad_(True) for name in names}
+    kwargs = {"seq_len": case["seq_len"]}
+    if case["rope"] is not None:
+        kwargs.update(cos=case["cos"], sin=case["sin"])
+    text = None
+    if "text" in case:
+        text = [t.clone().requires_grad_(True) for t in case["text"]]
+        kwargs.update(replicated_q=text[0], replicated_k=text[1], replicated_v=text[2])
+    if "gate" in case:
+        kwargs["gate"] = shards["gate"]
+    result = module(shards["q"], shards["k"], shards["v"], **kwargs)
+    out, text_out = result if text is not None else (result, None)
+    loss = (out * case["grad_out"][:, rows]).sum()
+    if text_out is not None:
+        loss = loss + (text_out * case["grad_text"]).sum() / world
+    loss.backward()
+    got = {"out": out.detach()}
+    for name, leaf in shards.items():
+        got["d" + name] = leaf.grad
+    if text is not None:
+        got["text_out"] = text_out.detach()
+        for name, leaf in zip(("dtext_q", "dtext_k", "dtext_v"), text):
+            grad = leaf.grad.clone()
+            if world > 1:  # partial on each rank (its heads): the sum is the full gradient
+                dist.all_reduce(grad, group=group)
+            got[name] = grad
+    return got, rows
+
+
+def _assert_matches(got, ref, rows, label):
+    for name, value in got.items():
+        expected = ref[name][:, rows] if name in ("out", "dq", "dk", "dv", "dgate") else ref[name]
+        assert value.shape == expected.shape, (label, name, value.shape, expected.shape)
+        # Each head's attention is computed exactly as in one process; only the order of
+        # independent work differs, so the results agree to rounding (in practice exactly).
+        torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{label}: {name}: {m}")
+
+
+# ---- the cases --------------------------------------------------------------------------
+
+def _dense_cases(world):
+    # (label, make_case kwargs); S_local * world - seq_len rows of padding.
+    cases = [
+        ("plain", dict(s_local=12, seq_len=12 * world)),
+        ("padding", dict(s_local=12, seq_len=12 * world - 5)),
+        ("text", dict(s_local=10, seq_len=10 * world, text_len=7)),
+        ("text+padding+rope", dict(s_local=10, seq_len=10 * world - 3, text_len=5, rope="half")),
+        ("rope-full", dict(s_local=9, seq_len=9 * world - 1, rope="full")),
+        ("float64", dict(s_local=8, seq_len=8 * world - 2, text_len=3, dtype=torch.float64)),
+    ]
+    if world == 2:  # grouped heads and Dv != D go through one fused all-to-all of mixed widths
+        cases.append(("gqa+dv", dict(s_local=11, seq_len=21, kv_heads=2, head_dim_v=8,
+                                     text_len=4, rope="half")))
+    return cases
+
+
+def _vsa_cases(world):
+    # grid (3, 6, 10) = 180 tokens, 6 tiles of 4x4x4; (3, 5, 9) = 135 tokens needs padding.
+    return [
+        ("vsa", (3, 6, 10), dict(gate=False, rope="half")),
+        ("vsa+gate+padding", (3, 5, 9), dict(gate=True)),
+    ]
+
+
+def _check_all(rank, world, group=None):
+    seed = 100 * world
+    for label, kwargs in _dense_cases(world):
+        seed += 1
+        case = _make_case(seed, world=world, **kwargs)
+        got, rows = _run_sharded(case, vidattn.DistributedAttention(group=group), world, rank, group)
+        _assert_matches(got, _reference(case, "dense"), rows, f"world {world} dense {label}")
+    if not HAVE_VSA:
+        return
+    for label, grid, kwargs in _vsa_cases(world):
+        seed += 1
+        tokens = grid[0] * grid[1] * grid[2]
+        s_local = -(-tokens // world)
+        case = _make_case(seed, world=world, s_local=s_local, seq_len=tokens, **kwargs)
+        tiling = vidattn.VideoTiling(grid=grid, tile=(4, 4, 4))
+        module = vidattn.DistributedAttention("vsa", group=group, tiling=tiling, topk=2)
+        got, rows = _run_sharded(case, module, world, rank, group)
+        _assert_matches(got, _reference(case, "vsa", tiling, 2), rows, f"world {world} {label}")
+
+
+def _compile_check(rank, world):
+    """fullgraph compile of a small model around the layer: zero graph breaks, same output
+    and gradients as eager."""
+    gen = torch.Generator().manual_seed(7)
+    b, s_local, h, d = 1, 8, 4, 16
+    seq_len = world * s_local - 3
+    proj = torch.randn(d, 3 * d, generator=gen) / 4
+    theta = torch.rand(seq_len, d // 2, generator=gen)
+    cos, sin = theta.cos(), theta.sin()
+    text = [torch.randn(b, 5, h, d, generator=gen) for _ in range(3)]
+    x_full = torch.randn(b, world * s_local, h, d, generator=gen)
+    layer = vidattn.DistributedAttention()
+
+    def model(x):
+        q, k, v = (x @ proj).chunk(3, dim=-1)
+        out, text_out = layer(q, k, v, seq_len=seq_len, cos=cos, sin=sin, replicated_q=text[0],
+                              replicated_k=text[1], replicated_v=text[2])
+        return out.square().sum() + text_out.sum() / world
+
+    x = x_full[:, rank * s_local:(rank + 1) * s_local].clone().requires_grad_(True)
+    explanation = torch._dynamo.explain(model)(x)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    assert explanation.graph_count == 1, explanation.graph_count
+    torch._dynamo.reset()
+    eager = model(x)
+    (g_eager,) = torch.autograd.grad(eager, x)
+    compiled = torch.compile(model, fullgraph=True, backend=os.environ.get(
+        "VIDATTN_TEST_COMPILE_BACKEND", "aot_eager"))
+    got = compiled(x)
+    (g_comp,) = torch.autograd.grad(got, x)
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g_comp, g_eager, rtol=1e-5, atol=1e-5)
+
+
+def _worker(rank, world, init_file, task):
+    torch.set_num_threads(1)  # several processes share the machine's cores
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        if task == "parity":
+            _check_all(rank, world)
+        elif task == "subgroup":
+            # A 2-rank group inside a 4-rank world: the layer uses the group it was given.
+            # Both halves run the world-2 parity cases on their own group.
+            groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            group = groups[rank // 2]
+            _check_all(dist.get_rank(group), 2, group)
+        elif task == "compile":
+            _compile_check(rank, world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(world, task):
+    with tempfile.TemporaryDirectory() as tmp:
+        context = mp.start_processes(_worker, args=(world, os.path.join(tmp, "store"), task),
+                                     nprocs=world, join=False, start_method="spawn")
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        while not context.join(timeout=5):  # raises (with the child's traceback) on failure
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    if process.is_alive():
+                        process.terminate()
+                pytest.fail(f"{task} with {world} processes did not finish in {JOIN_TIMEOUT_S} s")
+
+
+# ---- tests ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parity_with_single_process(world):
+    _spawn(world, "parity")
+
+
+def test_parity_on_a_subgroup():
+    _spawn(4, "subgroup")
+
+
+def test_compile_fullgraph_under_gloo():
+    _spawn(2, "compile")
+
+
+def test_world_size_one_is_plain_attention():
+    """Without torch.distributed the layer is the single-process computation itself."""
+    for label, kwargs in _dense_cases(1):
+        case = _make_case(5, world=1, **kwargs)
+        got, rows = _run_sharded(case, vidattn.DistributedAttention(), 1, 0)
+        _assert_matches(got, _reference(case, "dense"), rows, f"world 1 {label}")
+
+
+def test_bad_arguments():
+    layer = vidattn.DistributedAttention()
+    x = torch.randn(1, 6, 2, 8)
+    with pytest.raises(ValueError, match="backend must be 'dense' or 'vsa'"):
+        vidattn.DistributedAttention("flash")
+    with pytest.raises(ValueError, match="needs tiling"):
+        vidattn.DistributedAttention("vsa", topk=2)
+    with pytest.raises(ValueError, match="are for backend='vsa'"):
+        vidattn.DistributedAttention(topk=2)
+    with pytest.raises(ValueError, match="seq_len must be in"):
+        layer(x, x, x, seq_len=7)
+    with pytest.raises(ValueError, match="q must be a 4-D"):
+        layer(x[0], x, x)
+    with pytest.raises(ValueError, match="share B and S_local"):
+        layer(x, x[:, :5], x[:, :5])
+    with pytest.raises(ValueError, match="pass both cos and sin"):
+        layer(x, x, x, cos=torch.randn(6, 4))
+    with pytest.raises(ValueError, match="replicated_q, replicated_k and replicated_v"):
+        layer(x, x, x, replicated_q=x)
+    with pytest.raises(ValueError, match="replicated_k must be"):
+        layer(x, x, x, replicated_q=x, replicated_k=torch.randn(1, 6, 3, 8), replicated_v=x)
+    with pytest.raises(ValueError, match="gate is for backend='vsa'"):
+        layer(x, x, x, gate=x)
+    with pytest.raises(ValueError, match="process group was given"):
+        vidattn.DistributedAttention(group=object())(x, x, x)
+
+
+def _heads_check_worker(rank, world, init_file, task):
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        x = torch.randn(1, 4, 3, 8)
+        with pytest.raises(ValueError, match=r"heads of q \(3\) must be divisible by the world "
+                                             r"size \(2\)"):
+            vidattn.DistributedAttention()(x, x, x)
+        y = torch.randn(1, 4, 4, 8)
+        with pytest.raises(ValueError, match=r"heads of k \(1\) must be divisible"):
+            vidattn.DistributedAttention()(y, y[:, :, :1], y[:, :, :1])
+    finally:
+        dist.destroy_process_group()
+
+
+def test_heads_not_divisible_raise():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_heads_check_worker, args=(2, os.path.join(tmp, "store"), ""),
+                           nprocs=2, join=True, start_method="spawn")
