@@ -168,8 +168,10 @@ def _check_all(rank, world, group=None):
         case = _make_case(seed, world=world, **kwargs)
         got, rows = _run_sharded(case, vidattn.DistributedAttention(group=group), world, rank, group)
         _assert_matches(got, _reference(case, "dense"), rows, f"world {world} dense {label}")
-    if not HAVE_VSA:
-        return
+
+
+def _check_vsa(rank, world, group=None):
+    seed = 200 * world
     for label, grid, kwargs in _vsa_cases(world):
         seed += 1
         tokens = grid[0] * grid[1] * grid[2]
@@ -240,6 +242,7 @@ def _subgroup_parity(rank, world):
 TASKS = {
     "parity": lambda rank, world: _check_all(rank, world),
     "heads_not_divisible": _heads_not_divisible,
+    "vsa": _check_vsa,
     "compile": _compile_check,
     "subgroup": _subgroup_parity,
 }
@@ -290,12 +293,12 @@ def _spawn(world, tasks):
 
 @pytest.fixture(scope="module")
 def two_processes():
-    return _spawn(2, ["parity", "heads_not_divisible", "compile"])
+    return _spawn(2, ["parity", "heads_not_divisible", "compile"] + (["vsa"] if HAVE_VSA else []))
 
 
 @pytest.fixture(scope="module")
 def four_processes():
-    return _spawn(4, ["parity", "heads_not_divisible", "subgroup"])
+    return _spawn(4, ["parity", "heads_not_divisible", "subgroup"] + (["vsa"] if HAVE_VSA else []))
 
 
 def _assert_task(results, task):
@@ -313,6 +316,16 @@ def test_parity_two_processes(two_processes):
 
 def test_parity_four_processes(four_processes):
     _assert_task(four_processes, "parity")
+
+
+@pytest.mark.skipif(not HAVE_VSA, reason="this build has no vidattn.video_sparse_attention")
+def test_vsa_parity_two_processes(two_processes):
+    _assert_task(two_processes, "vsa")
+
+
+@pytest.mark.skipif(not HAVE_VSA, reason="this build has no vidattn.video_sparse_attention")
+def test_vsa_parity_four_processes(four_processes):
+    _assert_task(four_processes, "vsa")
 
 
 def test_parity_on_a_subgroup(four_processes):
