@@ -41,7 +41,15 @@ constexpr bool kUseTiles = kHaveAvx2 && std::is_same_v<Acc, float>;
 // Block sizes: the forward and both backward passes use the same grid, so the logits they
 // compute for one (query, key) pair are bit-identical.
 constexpr int kBlockQ = 128;
+
+// Elementwise passes (packing) smaller than this run on the calling thread: on a busy machine
+// each parallel region can cost a scheduler time slice, far more than the work itself.
+constexpr std::int64_t kMinParallelElements = std::int64_t(1) << 16;
 constexpr int kBlockK = 256;
+
+int threads_for(int threads, std::size_t tasks) {
+  return static_cast<int>(std::clamp<std::size_t>(tasks, 1, static_cast<std::size_t>(threads)));
+}
 
 // Where row r (a token) and head h of a [B, S, H, ...] or varlen [T, H, ...] tensor live;
 // rows count tokens of all sequences back to back.
@@ -119,7 +127,8 @@ std::vector<Acc> pack(const TensorView& t, bool varlen, std::int64_t rows, std::
   visit_float_dtype(t.dtype, [&](auto tag) {
     using S = Storage<decltype(tag)::value>;
     const auto* src = static_cast<const typename S::type*>(t.data);
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) \
+    if (heads * rows * dim >= kMinParallelElements)
     for (std::int64_t hr = 0; hr < heads * rows; ++hr) {
       const std::int64_t h = hr / rows, r = hr % rows;
       const auto* in = src + layout.offset(r, h);
@@ -203,7 +212,8 @@ struct Context {
       panel_rows += (seq.k_len[b] + avx2::kPanel - 1) / avx2::kPanel * avx2::kPanel;
     }
     k_panels.resize(static_cast<std::size_t>(p.heads_kv * panel_rows * p.head_dim));
-#pragma omp parallel for collapse(2) num_threads(threads) schedule(static)
+#pragma omp parallel for collapse(2) num_threads(threads) schedule(static) \
+    if (p.heads_kv * panel_rows * p.head_dim >= kMinParallelElements)
     for (std::int64_t h = 0; h < p.heads_kv; ++h)
       for (std::int64_t b = 0; b < p.batch; ++b)
         avx2::pack_panels(k_rows(h, seq.k_start[b]), static_cast<int>(seq.k_len[b]),
@@ -305,7 +315,7 @@ void forward(const AttentionProblem& p, const TensorView& qt, const TensorView& 
       for (std::int64_t i0 = 0; i0 < c.seq.q_len[b]; i0 += kBlockQ) tasks.push_back({b, h, i0});
 
   const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
-#pragma omp parallel num_threads(c.threads)
+#pragma omp parallel num_threads(threads_for(c.threads, tasks.size()))
   {
     std::vector<Acc> S(kBlockQ * kBlockK), acc(kBlockQ * Dv), m(kBlockQ), l(kBlockQ);
 #pragma omp for schedule(dynamic)
@@ -377,7 +387,8 @@ void backward(const AttentionProblem& p, const TensorView& qt, const TensorView&
   const std::vector<Acc> o_packed = pack<Acc>(out, p.varlen, c.rows_q, Hq, Dv, c.threads);
   std::vector<Acc> delta(static_cast<std::size_t>(Hq * c.rows_q)), lse(delta.size());
   const RowLayout lse_layout = lse_rows(lse_t, p.varlen);
-#pragma omp parallel for num_threads(c.threads) schedule(static)
+#pragma omp parallel for num_threads(c.threads) schedule(static) \
+    if (Hq * c.rows_q * Dv >= kMinParallelElements)
   for (std::int64_t hr = 0; hr < Hq * c.rows_q; ++hr) {
     const std::int64_t h = hr / c.rows_q, r = hr % c.rows_q;
     Acc sum = 0;
@@ -425,7 +436,7 @@ void backward(const AttentionProblem& p, const TensorView& qt, const TensorView&
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < p.heads_kv; ++h)
       for (std::int64_t j0 = 0; j0 < c.seq.k_len[b]; j0 += kBlockK) kv_tasks.push_back({b, h, j0});
-#pragma omp parallel num_threads(c.threads)
+#pragma omp parallel num_threads(threads_for(c.threads, kv_tasks.size()))
   {
     std::vector<Acc> S(kBlockQ * kBlockK), dP(kBlockQ * kBlockK);
     std::vector<Acc> dk_acc(kBlockK * D), dv_acc(kBlockK * Dv);
@@ -462,7 +473,7 @@ void backward(const AttentionProblem& p, const TensorView& qt, const TensorView&
   for (std::int64_t b = 0; b < p.batch; ++b)
     for (std::int64_t h = 0; h < Hq; ++h)
       for (std::int64_t i0 = 0; i0 < c.seq.q_len[b]; i0 += kBlockQ) q_tasks.push_back({b, h, i0});
-#pragma omp parallel num_threads(c.threads)
+#pragma omp parallel num_threads(threads_for(c.threads, q_tasks.size()))
   {
     std::vector<Acc> S(kBlockQ * kBlockK), dP(kBlockQ * kBlockK), dq_acc(kBlockQ * D);
 #pragma omp for schedule(dynamic)

@@ -1,0 +1,199 @@
+"""What the bench runs: a *case* is one problem (dense attention now; block-sparse, VSA, ...
+later) with its implementations: vidattn's and the peers it is compared against.
+
+A new case subclasses ``Case`` (inputs, FLOPs, float64 reference) and lists its ``Impl``s;
+``cases_for`` picks the cases and implementations that exist on a device. An
+implementation that cannot run a configuration says why in ``skip_reason`` (or raises
+``NotImplementedError`` when called); the row is then kept, marked skipped, with that note.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from . import reference
+from .reference import RefScope
+from .shapes import Shape
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+          "fp64": torch.float64}
+
+
+@dataclass(frozen=True)
+class DenseInputs:
+    q: torch.Tensor  # [B, Sq, H, D]
+    k: torch.Tensor  # [B, Sk, H, D]
+    v: torch.Tensor  # [B, Sk, H, D]
+    causal: bool
+    scale: Optional[float] = None
+
+    def differentiable(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.k, self.v
+
+    def requiring_grad(self) -> "DenseInputs":
+        """Fresh leaves with ``requires_grad``, so every implementation gets its own graph."""
+        return replace(self, q=self.q.detach().requires_grad_(),
+                       k=self.k.detach().requires_grad_(), v=self.v.detach().requires_grad_())
+
+
+class Impl:
+    """One implementation of a case. ``forward`` returns the output ``[B, Sq, H, Dv]``."""
+
+    name = ""
+    backend = ""  # what actually runs, for the JSON
+    is_ours = False
+
+    def skip_reason(self, device: torch.device, dtype: torch.dtype, shape: Shape) -> Optional[str]:
+        return None
+
+    def forward(self, inputs) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Case:
+    """A problem and its implementations; ``peer_order`` names the peers vidattn's ratio is
+    taken against, the first one that ran wins."""
+
+    name = ""
+    impls: Sequence[Impl] = ()
+    peer_order: Sequence[str] = ()
+
+    def forward_flops(self, shape: Shape) -> float:
+        raise NotImplementedError
+
+    def make_inputs(self, shape: Shape, dtype: torch.dtype, device: torch.device,
+                    generator: torch.Generator, input_scale: float):
+        raise NotImplementedError
+
+    def make_grad_out(self, inputs, generator: torch.Generator) -> torch.Tensor:
+        """A random gradient for the output (never zeros)."""
+        raise NotImplementedError
+
+    def reference_forward(self, inputs, scope: RefScope) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    def reference_backward(self, inputs, grad_out: torch.Tensor,
+                           scope: RefScope) -> tuple[torch.Tensor, ...]:
+        raise NotImplementedError
+
+    output_names = ("out",)
+    grad_names: tuple[str, ...] = ()
+
+
+# ---- dense attention -------------------------------------------------------------------
+
+class VidattnDense(Impl):
+    name, backend, is_ours = "vidattn", "vidattn.attention", True
+
+    def forward(self, inputs: DenseInputs) -> torch.Tensor:
+        import vidattn  # the bench is part of the package; imported late to keep the cli light
+
+        return vidattn.attention(inputs.q, inputs.k, inputs.v, scale=inputs.scale,
+                                 causal=inputs.causal)
+
+
+class SdpaDense(Impl):
+    """PyTorch SDPA on ``[B, H, S, D]`` transposed views (no copies), optionally pinned to one
+    backend with ``sdpa_kernel``."""
+
+    _LOW_PRECISION_ONLY = ("FLASH_ATTENTION", "CUDNN_ATTENTION")
+
+    def __init__(self, backend: Optional[str] = None):
+        self.sdpa_backend = backend
+        self.name = "sdpa" if backend is None else "sdpa-" + {
+            "FLASH_ATTENTION": "flash", "CUDNN_ATTENTION": "cudnn",
+            "EFFICIENT_ATTENTION": "efficient", "MATH": "math"}[backend]
+        self.backend = "torch SDPA " + ("(default dispatch)" if backend is None else backend)
+
+    def skip_reason(self, device, dtype, shape):
+        if self.sdpa_backend is not None and device.type != "cuda":
+            return f"{self.name}: CUDA only"
+        if self.sdpa_backend in self._LOW_PRECISION_ONLY and dtype not in (torch.float16,
+                                                                           torch.bfloat16):
+            return f"{self.name}: needs fp16/bf16"
+        return None
+
+    def forward(self, inputs: DenseInputs) -> torch.Tensor:
+        q, k, v = (t.transpose(1, 2) for t in (inputs.q, inputs.k, inputs.v))
+        kwargs = {"scale": inputs.scale}
+        if inputs.causal and q.shape[-2] == k.shape[-2]:
+            kwargs["is_causal"] = True
+        elif inputs.causal:  # SDPA's is_causal is top-left aligned; vidattn's is bottom-right
+            from torch.nn.attention.bias import causal_lower_right
+
+            kwargs["attn_mask"] = causal_lower_right(q.shape[-2], k.shape[-2])
+        if self.sdpa_backend is None:
+            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        else:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel(getattr(SDPBackend, self.sdpa_backend)):
+                out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        return out.transpose(1, 2)
+
+
+class DenseCase(Case):
+    name = "dense"
+    grad_names = ("dq", "dk", "dv")
+
+    def __init__(self, impls: Sequence[Impl], peer_order: Sequence[str]):
+        self.impls = tuple(impls)
+        self.peer_order = tuple(peer_order)
+
+    def forward_flops(self, shape: Shape) -> float:
+        flops = 4.0 * shape.batch * shape.heads * shape.q_len * shape.kv_len * shape.head_dim
+        return flops / 2 if shape.causal else flops
+
+    def make_inputs(self, shape, dtype, device, generator, input_scale=1.0) -> DenseInputs:
+        def randn(seq):
+            t = torch.randn(shape.batch, seq, shape.heads, shape.head_dim, device=device,
+                            generator=generator, dtype=torch.float32)
+            return (t * input_scale).to(dtype)
+
+        return DenseInputs(randn(shape.q_len), randn(shape.kv_len), randn(shape.kv_len),
+                           shape.causal)
+
+    def make_grad_out(self, inputs: DenseInputs, generator) -> torch.Tensor:
+        q = inputs.q  # the output has q's shape here (Dv == D)
+        return torch.randn(q.shape, device=q.device, generator=generator,
+                           dtype=torch.float32).to(q.dtype)
+
+    def reference_forward(self, inputs: DenseInputs, scope: RefScope):
+        out, _ = reference.attention_forward(
+            scope.take(inputs.q), scope.take(inputs.k), scope.take(inputs.v),
+            scale=inputs.scale, causal=inputs.causal)
+        return (out,)
+
+    def reference_backward(self, inputs: DenseInputs, grad_out, scope: RefScope):
+        return reference.attention_backward(
+            scope.take(inputs.q), scope.take(inputs.k), scope.take(inputs.v),
+            scope.take(grad_out), scale=inputs.scale, causal=inputs.causal)
+
+
+def cases_for(device: torch.device, names: Sequence[str] = ("dense",)) -> list[Case]:
+    """The cases named, with the implementations that exist on ``device``."""
+    available = {}
+    if device.type == "cuda":
+        # targets.md measures against cuDNN first; FA2 and the default dispatch for context.
+        available["dense"] = DenseCase(
+            [VidattnDense(), SdpaDense("CUDNN_ATTENTION"), SdpaDense("FLASH_ATTENTION"),
+             SdpaDense()],
+            peer_order=("sdpa-cudnn", "sdpa-flash", "sdpa"))
+    else:
+        available["dense"] = DenseCase([VidattnDense(), SdpaDense()], peer_order=("sdpa",))
+    unknown = [n for n in names if n not in available]
+    if unknown:
+        raise ValueError(f"--cases: unknown case(s) {unknown}; expected some of "
+                         f"{sorted(available)}")
+    return [available[n] for n in names]
+
+
+def dtype_of(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"--dtype: {name!r} is not one of {sorted(DTYPES)}") from None
+

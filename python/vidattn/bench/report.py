@@ -1,0 +1,85 @@
+"""The printed table and the JSON file."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional, Sequence
+
+SCHEMA = "vidattn-bench/1"
+
+COLUMNS = ("shape", "impl", "dtype", "dir", "median ms", "TFLOP/s", "x peer", "max abs err",
+           "ref")
+
+
+def _num(value: Optional[float]) -> str:
+    if value is None:
+        return "-"
+    if not math.isfinite(value):
+        return str(value)
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    if abs(value) >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3g}"
+
+
+def _cells(row: dict) -> list[str]:
+    head = [row["shape_label"], row["impl"], row["dtype"], row["direction"]]
+    if row["status"] != "ok":
+        return head + ["skipped", "-", "-", "-", "-"]
+    if row["ratio_to_peer"] is not None:
+        r = row["ratio_to_peer"]
+        ratio = f"{r:.2f}" if r >= 0.1 else f"{r:.2g}"
+    else:
+        ratio = "peer" if row["impl"] == row.get("peer") else "-"
+    err = row["max_abs_err"]
+    return head + [_num(row["median_ms"]), _num(row["tflops"]), ratio,
+                   f"{err:.2e}" if math.isfinite(err) else str(err), row["ref_scope"]["label"]]
+
+
+def format_table(rows: Sequence[dict]) -> str:
+    cells = [list(COLUMNS)] + [_cells(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    numeric = {4, 5, 6, 7}
+    lines = []
+    for n, row in enumerate(cells):
+        lines.append("  ".join(c.rjust(w) if i in numeric else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_notes(rows: Sequence[dict], meta: dict) -> str:
+    peers = sorted({r["peer"] for r in rows if r.get("peer")})
+    notes = [
+        f"device {meta['device']} ({meta['device_description']}), {meta['threads']} threads, "
+        f"torch {meta['torch_version']}, commit {(meta.get('git_commit') or 'unknown')[:12]}"
+        + (" (dirty)" if meta.get("git_dirty") else "") + f"; timer: {meta['timer']}",
+        f"x peer = peer's median time / this row's (> 1: faster); peer: {', '.join(peers) or '-'}",
+        "max abs err: vs a float64 reference on the same inputs (bwd: max over dq, dk, dv); "
+        "ref = the batches/heads it covers ('all' or bX/B hY/H)",
+    ]
+    skipped = [r["note"] for r in rows if r["status"] != "ok"]
+    notes += [f"skipped: {n}" for n in dict.fromkeys(skipped)]  # once each, in order
+    return "\n".join(notes)
+
+
+def _json_safe(value):
+    """Strict JSON: non-finite floats become the strings "inf", "-inf", "nan"."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def write_json(path: Path, meta: dict, rows: Sequence[dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"schema": SCHEMA, **meta, "rows": list(rows)}
+    path.write_text(json.dumps(_json_safe(doc), indent=1, allow_nan=False) + "\n")

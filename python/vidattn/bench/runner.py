@@ -1,0 +1,189 @@
+"""The bench loop: for each shape, dtype, case and direction, one group of rows (one per
+implementation), all on the same seeded inputs and checked against one float64 reference."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from . import reference
+from .cases import DTYPES, Case, Impl, dtype_of
+from .shapes import Shape
+
+BWD_FLOP_FACTOR = 2.5  # targets.md: backward FLOPs = 2.5 x forward
+
+
+@dataclass
+class Plan:
+    shapes: Sequence[Shape]
+    dtypes: Sequence[str]
+    directions: Sequence[str]
+    cases: Sequence[Case]
+    device: torch.device
+    timer: object
+    seed: int = 0
+    input_scale: float = 1.0
+    ref_heads: Optional[int] = None
+
+    def groups(self):
+        for shape_index, shape in enumerate(self.shapes):
+            for dtype in self.dtypes:
+                for case in self.cases:
+                    yield shape_index, shape, dtype, case
+
+    @property
+    def row_count(self) -> int:
+        return (len(self.shapes) * len(self.dtypes) * len(self.directions)
+                * sum(len(c.impls) for c in self.cases))
+
+
+def direction_flops(case: Case, shape: Shape, direction: str) -> float:
+    flops = case.forward_flops(shape)
+    return flops * BWD_FLOP_FACTOR if direction == "bwd" else flops
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+@dataclass
+class _Prepared:
+    """An implementation ready to be timed: ``run`` repeats the measured call; ``results``
+    are the outputs (fwd) or gradients (bwd) of its first call, for the accuracy check."""
+
+    impl: Impl
+    run: Callable[[], object]
+    results: tuple[torch.Tensor, ...]
+
+
+def _prepare(impl: Impl, inputs, direction: str, grad_out) -> _Prepared:
+    if direction == "fwd":
+        def run():
+            with torch.no_grad():
+                return impl.forward(inputs)
+
+        return _Prepared(impl, run, (run(),))
+    leaves = inputs.requiring_grad()
+    out = impl.forward(leaves)
+    tensors = leaves.differentiable()
+
+    def run():
+        return torch.autograd.grad(out, tensors, grad_out, retain_graph=True)
+
+    return _Prepared(impl, run, tuple(run()))
+
+
+def _skipped(base: dict, note: str) -> dict:
+    return {**base, "status": "skipped", "note": note}
+
+
+def run_plan(plan: Plan, progress: Callable[[int], None] = lambda n: None) -> list[dict]:
+    rows: list[dict] = []
+    for shape_index, shape, dtype_name, case in plan.groups():
+        dtype = dtype_of(dtype_name)
+        # Seeded by position, so a row's inputs do not depend on which other rows run.
+        seed = plan.seed * 1_000_003 + shape_index * 101 + list(DTYPES).index(dtype_name)
+        gen = _generator(plan.device, seed)
+        inputs = case.make_inputs(shape, dtype, plan.device, gen, plan.input_scale)
+        for direction in plan.directions:
+            rows.extend(_run_group(plan, case, shape, dtype, dtype_name, direction, inputs, gen))
+            progress(len(case.impls))
+        del inputs
+    return rows
+
+
+def _run_group(plan, case, shape, dtype, dtype_name, direction, inputs, gen) -> list[dict]:
+    flops = direction_flops(case, shape, direction)
+    scope = reference.choose_scope(shape, direction, plan.device.type, plan.ref_heads)
+    grad_out = None
+    if direction == "bwd":
+        grad_out = case.make_grad_out(inputs, gen)
+        expected = case.reference_backward(inputs, grad_out, scope)
+        names = case.grad_names
+    else:
+        expected = case.reference_forward(inputs, scope)
+        names = case.output_names
+
+    rows, prepared = [], []
+    for impl in case.impls:
+        base = {"case": case.name, "shape": shape.to_json(), "shape_label": shape.label,
+                "impl": impl.name, "backend": impl.backend, "is_ours": impl.is_ours,
+                "dtype": dtype_name, "direction": direction, "flops": flops,
+                "ref_scope": scope.to_json()}
+        reason = impl.skip_reason(plan.device, dtype, shape)
+        if reason:
+            rows.append(_skipped(base, reason))
+            continue
+        try:
+            p = _prepare(impl, inputs, direction, grad_out)
+        except NotImplementedError as e:
+            rows.append(_skipped(base, f"{impl.name}: not implemented on "
+                                       f"{plan.device.type} ({_first_line(e)})"))
+            continue
+        except RuntimeError as e:  # no kernel for this configuration, out of memory, ...
+            rows.append(_skipped(base, f"{impl.name}: {type(e).__name__}: {_first_line(e)}"))
+            _free(plan.device)
+            continue
+        errors = {n: reference.max_abs_error(scope.take(r), e)
+                  for n, r, e in zip(names, p.results, expected)}
+        p.results = ()
+        rows.append({**base, "status": "ok", "note": "", "errors": errors,
+                     "max_abs_err": max(errors.values())})
+        prepared.append((rows[-1], p))
+        if not plan.timer.interleaves:  # GPU: time now, one graph alive at a time
+            _time_or_skip(plan, prepared, flops)
+            prepared.clear()
+            _free(plan.device)
+    if prepared:
+        _time_or_skip(plan, prepared, flops)
+    _compare_to_peer(rows, case.peer_order)
+    return rows
+
+
+def _time_or_skip(plan: Plan, prepared, flops: float) -> None:
+    try:
+        _time(plan.timer, prepared, flops)
+    except RuntimeError as e:  # e.g. out of memory while timing: keep the row, say why
+        for row, p in prepared:
+            for key in ("errors", "max_abs_err"):
+                row.pop(key, None)
+            row.update(status="skipped",
+                       note=f"{p.impl.name}: timing failed: {type(e).__name__}: {_first_line(e)}")
+        _free(plan.device)
+
+
+def _time(timer, prepared, flops: float) -> None:
+    timings = timer.measure_group([p.run for _, p in prepared])
+    for (row, _), t in zip(prepared, timings):
+        row.update(median_ms=t.median_ms, min_ms=t.min_ms, repeats=t.repeats,
+                   tflops=flops / (t.median_ms * 1e-3) / 1e12)
+
+
+def _compare_to_peer(rows: list[dict], peer_order: Sequence[str]) -> None:
+    """ratio_to_peer = peer time / this time (> 1: faster than the peer); err_ratio_to_peer =
+    this error / the peer's error (targets.md's accuracy rule compares the two)."""
+    done = {r["impl"]: r for r in rows if r["status"] == "ok"}
+    peer = next((done[name] for name in peer_order if name in done), None)
+    for row in rows:
+        row["peer"] = peer["impl"] if peer else None
+        if row["status"] != "ok" or peer is None or row is peer:
+            row["ratio_to_peer"] = row["err_ratio_to_peer"] = None
+            continue
+        row["ratio_to_peer"] = peer["median_ms"] / row["median_ms"]
+        row["err_ratio_to_peer"] = (row["max_abs_err"] / peer["max_abs_err"]
+                                    if peer["max_abs_err"] > 0 else None)
+        row["peer_max_abs_err"] = peer["max_abs_err"]
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:160] if text else type(e).__name__
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
