@@ -77,12 +77,10 @@ void apply_rope(const TensorView& x, const TensorView& cos, const TensorView& si
   if (x.numel() == 0) return;
   check.unit_last_stride(out, "out");
   if (p.device.kind == DeviceKind::kCPU) return detail::cpu_rope(p, x, cos, sin, out, options);
-#if VIDATTN_WITH_CUDA
-  return detail::cuda_rope(p, x, cos, sin, out, options);
-#else
+  // The CUDA kernel (src/cuda/rope_cuda.cu) is on branch sp-cuda-rope: it needs the CUDA
+  // build setup of the CUDA backend branch.
   throw NotImplementedError(detail::concat(
-      kFn, ": this build of vidattn has no CUDA backend; pass CPU tensors"));
-#endif
+      kFn, ": this build of vidattn has no CUDA kernel for RoPE; pass CPU tensors"));
 }
 
 }  // namespace vidattn

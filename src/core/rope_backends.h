@@ -8,9 +8,4 @@ namespace vidattn::detail {
 void cpu_rope(const RopeProblem& p, const TensorView& x, const TensorView& cos,
               const TensorView& sin, const TensorView& out, const RopeOptions& options);
 
-#if VIDATTN_WITH_CUDA
-void cuda_rope(const RopeProblem& p, const TensorView& x, const TensorView& cos,
-               const TensorView& sin, const TensorView& out, const RopeOptions& options);
-#endif
-
 }  // namespace vidattn::detail
