@@ -146,6 +146,8 @@ def _dense_cases(world):
         ("text+padding+rope", dict(s_local=10, seq_len=10 * world - 3, text_len=5, rope="half")),
         ("rope-full", dict(s_local=9, seq_len=9 * world - 1, rope="full")),
         ("float64", dict(s_local=8, seq_len=8 * world - 2, text_len=3, dtype=torch.float64)),
+        ("bfloat16", dict(s_local=8, seq_len=8 * world - 1, text_len=3, rope="half",
+                          dtype=torch.bfloat16)),
     ]
     if world == 2:  # grouped heads and Dv != D go through one fused all-to-all of mixed widths
         cases.append(("gqa+dv", dict(s_local=11, seq_len=21, kv_heads=2, head_dim_v=8,
