@@ -9,6 +9,10 @@
 
 #include <vector>
 
+#ifdef VIDATTN_TORCH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
 #include "tensor_adapter.h"
 #include "vidattn/attention.h"
 
@@ -30,7 +34,16 @@ struct AttentionArgs {
   bool varlen() const { return cu_seqlens_q.has_value(); }
 };
 
-AttentionOptions options_of(const AttentionArgs& a, const char* fn) {
+// The stream the CUDA kernels run on: PyTorch's current stream of q's device.
+void* stream_of(const Tensor& q) {
+#ifdef VIDATTN_TORCH_CUDA
+  if (q.is_cuda()) return at::cuda::getCurrentCUDAStream(q.get_device()).stream();
+#endif
+  (void)q;
+  return nullptr;
+}
+
+AttentionOptions options_of(const AttentionArgs& a, const char* fn, const Tensor& q) {
   AttentionOptions o;
   o.scale = a.scale;
   o.causal = a.causal;
@@ -41,6 +54,7 @@ AttentionOptions options_of(const AttentionArgs& a, const char* fn) {
   o.max_seqlen_q = a.max_seqlen_q;
   o.max_seqlen_k = a.max_seqlen_k;
   o.num_threads = at::get_num_threads();
+  o.stream = stream_of(q);
   return o;
 }
 
@@ -52,13 +66,13 @@ std::vector<int64_t> to_vector(const std::int64_t* shape, int n) {
   return std::vector<int64_t>(shape, shape + n);
 }
 
-// ---- compute kernels (CPU now; CUDA registers the same functions when built) ----------
+// ---- compute kernels (CPU, and CUDA when built with it: the same functions) -----------
 
 std::tuple<Tensor, Tensor> forward_kernel(const char* fn, const Tensor& q, const Tensor& k,
                                           const Tensor& v, const AttentionArgs& a) {
   return translate_errors([&] {
     const TensorView qv = view_of(q, fn, "q"), kv = view_of(k, fn, "k"), vv = view_of(v, fn, "v");
-    const AttentionOptions o = options_of(a, fn);
+    const AttentionOptions o = options_of(a, fn, q);
     const AttentionProblem p = describe_attention(qv, kv, vv, o);
     std::int64_t shape[kMaxDims];
     p.out_shape(shape);
@@ -102,7 +116,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_kernel(
     attention_backward(view_of(q, fn, "q"), view_of(k, fn, "k"), view_of(v, fn, "v"),
                        view_of(out, fn, "out"), view_of(lse, fn, "lse"),
                        view_of(grad_out, fn, "grad_out"), view_of(dq, fn, "dq"),
-                       view_of(dk, fn, "dk"), view_of(dv, fn, "dv"), options_of(a, fn));
+                       view_of(dk, fn, "dk"), view_of(dv, fn, "dv"), options_of(a, fn, q));
     return std::make_tuple(dq, dk, dv);
   });
 }
@@ -119,7 +133,7 @@ std::tuple<Tensor, Tensor> forward_meta(const char* fn, const Tensor& q, const T
   if (is_concrete(q) && is_concrete(k) && is_concrete(v))
     translate_errors([&] {
       describe_attention(view_of(q, fn, "q"), view_of(k, fn, "k"), view_of(v, fn, "v"),
-                         options_of(a, fn));
+                         options_of(a, fn, q));
     });
   std::vector<c10::SymInt> out_shape(q.sym_sizes().begin(), q.sym_sizes().end());
   out_shape.back() = v.sym_size(-1);  // the output's head dim is v's
@@ -268,6 +282,15 @@ TORCH_LIBRARY_IMPL(vidattn, CPU, m) {
   m.impl("attention_varlen", &attention_varlen_kernel);
   m.impl("attention_backward", &attention_backward_kernel);
 }
+
+#ifdef VIDATTN_TORCH_CUDA
+// The same kernels: the core dispatches on the tensors' device, on PyTorch's current stream.
+TORCH_LIBRARY_IMPL(vidattn, CUDA, m) {
+  m.impl("attention", &attention_kernel);
+  m.impl("attention_varlen", &attention_varlen_kernel);
+  m.impl("attention_backward", &attention_backward_kernel);
+}
+#endif
 
 TORCH_LIBRARY_IMPL(vidattn, Meta, m) {
   m.impl("attention", &attention_meta);

@@ -180,10 +180,12 @@ void check_data(const detail::ArgChecker& check, const TensorView& q, const Tens
   if (o.cu_seqlens_k) check.non_null(*o.cu_seqlens_k, "cu_seqlens_k");
 }
 
+#ifndef VIDATTN_WITH_CUDA
 [[noreturn]] void no_cuda(const char* function) {
   throw NotImplementedError(detail::concat(
       function, ": this build of vidattn has no CUDA backend; pass CPU tensors"));
 }
+#endif
 
 }  // namespace
 
@@ -202,7 +204,11 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
   check_outputs(check, p, out, lse);
   if (p.device.kind == DeviceKind::kCPU)
     return detail::cpu_attention_forward(p, q, k, v, out, lse, options);
+#ifdef VIDATTN_WITH_CUDA
+  return detail::cuda_attention_forward(p, q, k, v, out, lse, options);
+#else
   no_cuda(kFn);
+#endif
 }
 
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
@@ -221,7 +227,11 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
   check_same_as(check, dv, "dv", v, "v");
   if (p.device.kind == DeviceKind::kCPU)
     return detail::cpu_attention_backward(p, q, k, v, out, lse, grad_out, dq, dk, dv, options);
+#ifdef VIDATTN_WITH_CUDA
+  return detail::cuda_attention_backward(p, q, k, v, out, lse, grad_out, dq, dk, dv, options);
+#else
   no_cuda(kFn);
+#endif
 }
 
 }  // namespace vidattn

@@ -15,4 +15,18 @@ void cpu_attention_backward(const AttentionProblem& p, const TensorView& q,
                             const TensorView& dq, const TensorView& dk, const TensorView& dv,
                             const AttentionOptions& options);
 
+#ifdef VIDATTN_WITH_CUDA
+// CUDA (sm_80 and newer): bfloat16 / float16, head dims 64 and 128 (Dv == D); anything else
+// throws NotImplementedError. Asynchronous on options.stream.
+void cuda_attention_forward(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                            const TensorView& v, const TensorView& out, const TensorView& lse,
+                            const AttentionOptions& options);
+
+void cuda_attention_backward(const AttentionProblem& p, const TensorView& q,
+                             const TensorView& k, const TensorView& v, const TensorView& out,
+                             const TensorView& lse, const TensorView& grad_out,
+                             const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                             const AttentionOptions& options);
+#endif
+
 }  // namespace vidattn::detail

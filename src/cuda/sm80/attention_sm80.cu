@@ -1,0 +1,194 @@
+// Host entry points of the CUDA dense attention (sm_80 and newer): checks what this backend
+// supports, turns the validated TensorViews into kernel parameters and dispatches on
+// (dtype, head dim). Nothing here synchronises with the device.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "../../core/backends.h"
+#include "../../core/check.h"
+#include "launch.h"
+#include "params.h"
+
+namespace vidattn::cuda_sm80 {
+
+void check_cuda(cudaError_t status, const char* what) {
+  if (status != cudaSuccess)
+    throw std::runtime_error(std::string("vidattn (CUDA): ") + what + " failed: " +
+                             cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
+}
+
+}  // namespace vidattn::cuda_sm80
+
+namespace vidattn::detail {
+namespace {
+
+using cuda_sm80::AttentionParams;
+using cuda_sm80::RowStrides;
+using cuda_sm80::check_cuda;
+
+// Makes q's device current for the calls in scope, and restores the caller's.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    else previous_ = -1;
+  }
+  ~DeviceScope() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+void check_supported(const char* fn, const AttentionProblem& p) {
+  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16)
+    throw NotImplementedError(concat(
+        fn, ": the CUDA backend supports bfloat16 and float16 inputs, got ", dtype_name(p.dtype),
+        "; cast to bfloat16 / float16 or use CPU tensors"));
+  if ((p.head_dim != 64 && p.head_dim != 128) || p.head_dim_v != p.head_dim)
+    throw NotImplementedError(concat(
+        fn, ": the CUDA backend supports head dims D = Dv = 64 or 128, got D = ", p.head_dim,
+        ", Dv = ", p.head_dim_v, "; pad the head dim or use CPU tensors"));
+  if (p.heads_q > 65535 || p.heads_kv > 65535 || p.batch > 65535)
+    throw NotImplementedError(concat(fn, ": the CUDA backend supports at most 65535 heads and ",
+                                     "65535 sequences, got Hq = ", p.heads_q, ", B = ", p.batch));
+}
+
+RowStrides token_strides(const TensorView& t, bool varlen) {
+  if (varlen) return {0, t.stride[0], t.stride[1]};
+  return {t.stride[0], t.stride[1], t.stride[2]};
+}
+
+RowStrides lse_strides(const TensorView& t, bool varlen) {
+  if (varlen) return {0, t.stride[1], t.stride[0]};  // [H, T]
+  return {t.stride[0], t.stride[2], t.stride[1]};    // [B, H, S]
+}
+
+// Every row start of t is a multiple of `bytes` (pointer and the strides of every dimension
+// that has more than one entry).
+bool rows_aligned(const TensorView& t, std::size_t bytes) {
+  if (reinterpret_cast<std::uintptr_t>(t.data) % bytes != 0) return false;
+  const std::int64_t elems = static_cast<std::int64_t>(bytes / dtype_size(t.dtype));
+  for (int d = 0; d + 1 < t.ndim; ++d)
+    if (t.shape[d] > 1 && t.stride[d] % elems != 0) return false;
+  return true;
+}
+
+AttentionParams base_params(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                            const TensorView& v, const TensorView& out, const TensorView& lse,
+                            const AttentionOptions& o) {
+  AttentionParams kp;
+  kp.q = q.data, kp.k = k.data, kp.v = v.data;
+  kp.out = out.data;
+  kp.lse = static_cast<float*>(lse.data);
+  kp.q_strides = token_strides(q, p.varlen);
+  kp.k_strides = token_strides(k, p.varlen);
+  kp.v_strides = token_strides(v, p.varlen);
+  kp.out_strides = token_strides(out, p.varlen);
+  kp.lse_strides = lse_strides(lse, p.varlen);
+  kp.varlen = p.varlen;
+  if (p.varlen) {
+    kp.cu_seqlens_q = static_cast<const std::int32_t*>(o.cu_seqlens_q->data);
+    kp.cu_seqlens_k = static_cast<const std::int32_t*>(o.cu_seqlens_k->data);
+    kp.cu_seqlens_q_stride = o.cu_seqlens_q->stride[0];
+    kp.cu_seqlens_k_stride = o.cu_seqlens_k->stride[0];
+  }
+  if (o.key_padding_mask) {
+    kp.key_mask = static_cast<const std::uint8_t*>(o.key_padding_mask->data);
+    kp.key_mask_batch = o.key_padding_mask->stride[0];
+    kp.key_mask_row = o.key_padding_mask->stride[1];
+  }
+  if (o.query_padding_mask) {
+    kp.query_mask = static_cast<const std::uint8_t*>(o.query_padding_mask->data);
+    kp.query_mask_batch = o.query_padding_mask->stride[0];
+    kp.query_mask_row = o.query_padding_mask->stride[1];
+  }
+  kp.batch = static_cast<int>(p.batch);
+  kp.heads_q = static_cast<int>(p.heads_q);
+  kp.heads_kv = static_cast<int>(p.heads_kv);
+  kp.group = static_cast<int>(p.heads_q / p.heads_kv);
+  kp.seqlen_q = p.seqlen_q;
+  kp.seqlen_k = p.seqlen_k;
+  kp.rows_q = p.varlen ? q.shape[0] : p.batch * p.seqlen_q;
+  kp.rows_k = p.varlen ? k.shape[0] : p.batch * p.seqlen_k;
+  kp.scale = static_cast<float>(p.scale);
+  kp.causal = p.causal;
+  kp.aligned16 = rows_aligned(q, 16) && rows_aligned(k, 16) && rows_aligned(v, 16);
+  return kp;
+}
+
+template <class Launch>
+void dispatch(const AttentionProblem& p, Launch&& launch) {
+  const bool bf16 = p.dtype == DType::kBFloat16;
+  if (p.head_dim == 64) {
+    if (bf16) launch(__nv_bfloat16{}, std::integral_constant<int, 64>{});
+    else launch(__half{}, std::integral_constant<int, 64>{});
+  } else {
+    if (bf16) launch(__nv_bfloat16{}, std::integral_constant<int, 128>{});
+    else launch(__half{}, std::integral_constant<int, 128>{});
+  }
+}
+
+}  // namespace
+
+void cuda_attention_forward(const AttentionProblem& p, const TensorView& q, const TensorView& k,
+                            const TensorView& v, const TensorView& out, const TensorView& lse,
+                            const AttentionOptions& o) {
+  constexpr const char* kFn = "vidattn::attention_forward";
+  check_supported(kFn, p);
+  if (out.numel() == 0 && lse.numel() == 0) return;
+  const DeviceScope device(p.device.index);
+  AttentionParams kp = base_params(p, q, k, v, out, lse, o);
+  kp.out_aligned4 = rows_aligned(out, 4);
+  const auto stream = static_cast<cudaStream_t>(o.stream);
+  dispatch(p, [&](auto t, auto d) {
+    cuda_sm80::launch_forward<decltype(t), decltype(d)::value>(kp, stream);
+  });
+}
+
+void cuda_attention_backward(const AttentionProblem& p, const TensorView& q,
+                             const TensorView& k, const TensorView& v, const TensorView& out,
+                             const TensorView& lse, const TensorView& grad_out,
+                             const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                             const AttentionOptions& o) {
+  constexpr const char* kFn = "vidattn::attention_backward";
+  check_supported(kFn, p);
+  if (dq.numel() == 0 && dk.numel() == 0) return;
+  const DeviceScope device(p.device.index);
+  AttentionParams kp = base_params(p, q, k, v, out, lse, o);
+  kp.grad_out = grad_out.data;
+  kp.grad_out_strides = token_strides(grad_out, p.varlen);
+  kp.dq = dq.data, kp.dk = dk.data, kp.dv = dv.data;
+  kp.dq_strides = token_strides(dq, p.varlen);
+  kp.dk_strides = token_strides(dk, p.varlen);
+  kp.dv_strides = token_strides(dv, p.varlen);
+  kp.aligned16 = kp.aligned16 && rows_aligned(grad_out, 16);
+  kp.out_aligned4 = rows_aligned(dq, 4) && rows_aligned(dk, 4) && rows_aligned(dv, 4);
+  const auto stream = static_cast<cudaStream_t>(o.stream);
+
+  // rowsum(dO * O) workspace, stream-ordered (no device-wide synchronisation; capturable).
+  const std::size_t delta_bytes = static_cast<std::size_t>(kp.rows_q * kp.heads_q) * sizeof(float);
+  void* delta = nullptr;
+  if (delta_bytes > 0) check_cuda(cudaMallocAsync(&delta, delta_bytes, stream), "cudaMallocAsync");
+  kp.delta = static_cast<float*>(delta);
+  try {
+    dispatch(p, [&](auto t, auto d) {
+      cuda_sm80::launch_backward<decltype(t), decltype(d)::value>(kp, stream);
+    });
+  } catch (...) {
+    if (delta) cudaFreeAsync(delta, stream);
+    throw;
+  }
+  if (delta) check_cuda(cudaFreeAsync(delta, stream), "cudaFreeAsync");
+}
+
+}  // namespace vidattn::detail

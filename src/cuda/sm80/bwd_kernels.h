@@ -1,0 +1,294 @@
+// Dense attention backward, deterministic (no atomics, every output element has one owner):
+//   1. delta = rowsum(dO * O), one warp per (row, head), into a [Hq][rows_q] workspace;
+//   2. dK, dV: one CTA per (key block, kv head, batch), looping over the query blocks of
+//      every q head of its group, accumulating in registers;
+//   3. dQ: one CTA per (query block, head, batch), looping over key blocks.
+// Both 2 and 3 recompute P = exp(S - LSE) from the same logits the forward computed
+// (softmax_mask.h says why they are bit-identical).
+#pragma once
+
+#include <cstdint>
+
+#include "mma_utils.h"
+#include "params.h"
+#include "softmax_mask.h"
+#include "tile_io.h"
+
+namespace vidattn::cuda_sm80 {
+
+template <int D>
+struct BwdConfig {
+  static constexpr int kBlockQ = 64;
+  static constexpr int kBlockK = 64;
+  // dK/dV kernel: 8 warps; for S and dP warp w owns query rows 16 * (w % 4) and keys
+  // 32 * (w / 4); for dK and dV it owns keys 16 * (w % 4) and head-dim half w / 4.
+  static constexpr int kDkdvWarps = 8;
+  static constexpr int kDkdvThreads = kDkdvWarps * 32;
+  static constexpr int kDkdvSmemBytes = (2 * kBlockK * D + 2 * kBlockQ * D + 2 * kBlockQ * kBlockK) * 2;
+  // dQ kernel: 4 warps of 16 query rows each.
+  static constexpr int kDqWarps = 4;
+  static constexpr int kDqThreads = kDqWarps * 32;
+  static constexpr int kDqSmemBytes = (2 * kBlockQ * D + 2 * kBlockK * D) * 2;
+};
+
+template <class T, int D>
+__global__ void __launch_bounds__(256) attention_bwd_delta_kernel(const AttentionParams p) {
+  const std::int64_t task = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x & 31;
+  if (task >= p.rows_q * p.heads_q) return;
+  const int h = static_cast<int>(task / p.rows_q);
+  const std::int64_t row = task % p.rows_q;
+  auto offset = [&](const RowStrides& st) {
+    if (p.varlen) return row * st.row + h * st.head;
+    const std::int64_t b = row / p.seqlen_q, i = row % p.seqlen_q;
+    return b * st.batch + i * st.row + h * st.head;
+  };
+  const auto* o = static_cast<const std::uint16_t*>(p.out) + offset(p.out_strides);
+  const auto* g = static_cast<const std::uint16_t*>(p.grad_out) + offset(p.grad_out_strides);
+  float sum = 0.f;
+#pragma unroll
+  for (int d = lane; d < D; d += 32) sum += Mma<T>::to_float(o[d]) * Mma<T>::to_float(g[d]);
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
+  if (lane == 0) p.delta[task] = sum;
+}
+
+// LSE and delta of one query row; a dead row (padded, out of range, or saw no key in the
+// forward) has P = 0 and so contributes and receives no gradient.
+struct RowStats {
+  float lse_log2 = 0.f;
+  float delta = 0.f;
+  bool dead = true;
+};
+
+__device__ __forceinline__ RowStats row_stats(const AttentionParams& p, const Sequence& seq,
+                                              std::int64_t i, int h) {
+  RowStats r;
+  if (i >= seq.len_q) return r;
+  if (p.query_mask && !p.query_mask[seq.batch * p.query_mask_batch + i * p.query_mask_row])
+    return r;
+  const float lse = p.lse[q_side_offset(p, p.lse_strides, seq, i, h)];
+  if (lse == -INFINITY) return r;
+  r.dead = false;
+  r.lse_log2 = lse * kLog2e;
+  r.delta = p.delta[static_cast<std::int64_t>(h) * p.rows_q + seq.first_q + i];
+  return r;
+}
+
+// In place: s (scaled, masked logits) -> P, dp -> dS = P * (dP - delta).
+template <int KEYS>
+__device__ __forceinline__ void probs_and_dscores(float (&s)[KEYS / 8][4], float (&dp)[KEYS / 8][4],
+                                                  const RowStats (&rs)[2]) {
+#pragma unroll
+  for (int n = 0; n < KEYS / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const RowStats& r = rs[e >> 1];
+      const float prob = r.dead ? 0.f : exp2_approx(fmaf(s[n][e], kLog2e, -r.lse_log2));
+      s[n][e] = prob;
+      dp[n][e] = prob * (dp[n][e] - r.delta);
+    }
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
+    attention_bwd_dkdv_kernel(const AttentionParams p) {
+  using C = BwdConfig<D>;
+  constexpr int BQ = C::kBlockQ, BK = C::kBlockK;
+  constexpr int KW = BK / 2;  // keys of one warp in the S / dP phase
+  constexpr int DW = D / 2;   // head-dim columns of one warp in the dK / dV phase
+  extern __shared__ __align__(128) std::uint16_t smem[];
+  std::uint16_t* k_tile = smem;
+  std::uint16_t* v_tile = k_tile + BK * D;
+  std::uint16_t* q_tile = v_tile + BK * D;
+  std::uint16_t* do_tile = q_tile + BQ * D;
+  std::uint16_t* p_tile = do_tile + BQ * D;  // [BQ][BK]
+  std::uint16_t* ds_tile = p_tile + BQ * BK;  // [BQ][BK]
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int wq = warp & 3, wk = warp >> 2;
+  const int hk = blockIdx.y, b = blockIdx.z;
+  const Sequence seq = sequence_of(p, b);
+  const std::int64_t k0 = static_cast<std::int64_t>(blockIdx.x) * BK;
+  if (k0 >= seq.len_k) return;
+  const MaskInfo mask = mask_info(p, seq);
+
+  const auto* k = static_cast<const std::uint16_t*>(p.k) + k_side_offset(p, p.k_strides, seq, k0, hk);
+  const auto* v = static_cast<const std::uint16_t*>(p.v) + k_side_offset(p, p.v_strides, seq, k0, hk);
+  load_tile<BK, D, C::kDkdvThreads>(k_tile, k, p.k_strides.row, seq.len_k - k0, p.aligned16);
+  load_tile<BK, D, C::kDkdvThreads>(v_tile, v, p.v_strides.row, seq.len_k - k0, p.aligned16);
+  cp_async_commit();
+
+  float dk[DW / 8][4], dv[DW / 8][4];
+#pragma unroll
+  for (int n = 0; n < DW / 8; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
+
+  const std::int64_t q_begin = query_begin(mask, k0);
+  for (int g = 0; g < p.group; ++g) {
+    const int h = hk * p.group + g;
+    const auto* q = static_cast<const std::uint16_t*>(p.q) + q_side_offset(p, p.q_strides, seq, 0, h);
+    const auto* go = static_cast<const std::uint16_t*>(p.grad_out) +
+                     q_side_offset(p, p.grad_out_strides, seq, 0, h);
+    for (std::int64_t q0 = q_begin; q0 < seq.len_q; q0 += BQ) {
+      __syncthreads();  // the previous block's tiles are no longer read
+      load_tile<BQ, D, C::kDkdvThreads>(q_tile, q + q0 * p.q_strides.row, p.q_strides.row,
+                                        seq.len_q - q0, p.aligned16);
+      load_tile<BQ, D, C::kDkdvThreads>(do_tile, go + q0 * p.grad_out_strides.row,
+                                        p.grad_out_strides.row, seq.len_q - q0, p.aligned16);
+      cp_async_commit();
+      const std::int64_t q_row = q0 + wq * 16 + (lane >> 2);
+      const RowStats rs[2] = {row_stats(p, seq, q_row, h), row_stats(p, seq, q_row + 8, h)};
+      cp_async_wait_all();
+      __syncthreads();
+
+      float s[KW / 8][4], dp[KW / 8][4];
+      qk_logits<T, D, KW>(s, q_tile, wq * 16, k_tile, wk * KW);
+      scale_and_mask<KW>(s, p.scale, mask, mask.block_needs_mask(q0, k0, BK), q_row, k0 + wk * KW);
+      qk_logits<T, D, KW>(dp, do_tile, wq * 16, v_tile, wk * KW);
+      probs_and_dscores<KW>(s, dp, rs);
+#pragma unroll
+      for (int n = 0; n < KW / 8; ++n)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = wq * 16 + (lane >> 2) + 8 * r;
+          const int at = swizzle<BK>(row, wk * (KW / 8) + n) + (lane & 3) * 2;
+          *reinterpret_cast<std::uint32_t*>(p_tile + at) = Mma<T>::pack(s[n][2 * r], s[n][2 * r + 1]);
+          *reinterpret_cast<std::uint32_t*>(ds_tile + at) = Mma<T>::pack(dp[n][2 * r], dp[n][2 * r + 1]);
+        }
+      __syncthreads();
+
+      // dV += P^T dO and dK += dS^T Q over this warp's 16 keys and DW head-dim columns.
+#pragma unroll
+      for (int kt = 0; kt < BQ / 16; ++kt) {
+        const int a_at = swizzle<BK>(kt * 16 + (lane & 7) + ((lane >> 4) << 3), wq * 2 + ((lane >> 3) & 1));
+        std::uint32_t ap[4], ads[4];
+        ldmatrix_x4_trans(ap, smem_addr(p_tile + a_at));
+        ldmatrix_x4_trans(ads, smem_addr(ds_tile + a_at));
+#pragma unroll
+        for (int np = 0; np < DW / 16; ++np) {
+          const int b_at = swizzle<D>(kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                      wk * (DW / 8) + np * 2 + (lane >> 4));
+          std::uint32_t bf[4];
+          ldmatrix_x4_trans(bf, smem_addr(do_tile + b_at));
+          Mma<T>::run(dv[2 * np], ap, bf[0], bf[1]);
+          Mma<T>::run(dv[2 * np + 1], ap, bf[2], bf[3]);
+          ldmatrix_x4_trans(bf, smem_addr(q_tile + b_at));
+          Mma<T>::run(dk[2 * np], ads, bf[0], bf[1]);
+          Mma<T>::run(dk[2 * np + 1], ads, bf[2], bf[3]);
+        }
+      }
+    }
+  }
+  cp_async_wait_all();  // a block with no query rows still owns its K/V load
+
+  auto* dk_out = static_cast<std::uint16_t*>(p.dk);
+  auto* dv_out = static_cast<std::uint16_t*>(p.dv);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const std::int64_t j = k0 + wq * 16 + (lane >> 2) + 8 * r;
+    if (j >= seq.len_k) continue;
+    std::uint16_t* dkr = dk_out + k_side_offset(p, p.dk_strides, seq, j, hk) + wk * DW;
+    std::uint16_t* dvr = dv_out + k_side_offset(p, p.dv_strides, seq, j, hk) + wk * DW;
+#pragma unroll
+    for (int n = 0; n < DW / 8; ++n) {
+      const int col = n * 8 + (lane & 3) * 2;
+      store_pair<T>(dkr + col, dk[n][2 * r] * p.scale, dk[n][2 * r + 1] * p.scale, p.out_aligned4);
+      store_pair<T>(dvr + col, dv[n][2 * r], dv[n][2 * r + 1], p.out_aligned4);
+    }
+  }
+}
+
+template <class T, int D>
+__global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
+    attention_bwd_dq_kernel(const AttentionParams p) {
+  using C = BwdConfig<D>;
+  constexpr int BQ = C::kBlockQ, BK = C::kBlockK;
+  extern __shared__ __align__(128) std::uint16_t smem[];
+  std::uint16_t* q_tile = smem;
+  std::uint16_t* do_tile = q_tile + BQ * D;
+  std::uint16_t* k_tile = do_tile + BQ * D;
+  std::uint16_t* v_tile = k_tile + BK * D;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / p.group;
+  const int qblock = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const Sequence seq = sequence_of(p, b);
+  const std::int64_t q0 = static_cast<std::int64_t>(qblock) * BQ;
+  if (q0 >= seq.len_q) return;
+  const std::int64_t rows = seq.len_q - q0 < BQ ? seq.len_q - q0 : BQ;
+  const MaskInfo mask = mask_info(p, seq);
+  const std::int64_t k_end = key_end(mask, q0, rows);
+
+  const auto* q = static_cast<const std::uint16_t*>(p.q) + q_side_offset(p, p.q_strides, seq, q0, h);
+  const auto* go = static_cast<const std::uint16_t*>(p.grad_out) +
+                   q_side_offset(p, p.grad_out_strides, seq, q0, h);
+  const auto* k = static_cast<const std::uint16_t*>(p.k) + k_side_offset(p, p.k_strides, seq, 0, hk);
+  const auto* v = static_cast<const std::uint16_t*>(p.v) + k_side_offset(p, p.v_strides, seq, 0, hk);
+  load_tile<BQ, D, C::kDqThreads>(q_tile, q, p.q_strides.row, rows, p.aligned16);
+  load_tile<BQ, D, C::kDqThreads>(do_tile, go, p.grad_out_strides.row, rows, p.aligned16);
+  if (k_end > 0) {
+    load_tile<BK, D, C::kDqThreads>(k_tile, k, p.k_strides.row, seq.len_k, p.aligned16);
+    load_tile<BK, D, C::kDqThreads>(v_tile, v, p.v_strides.row, seq.len_k, p.aligned16);
+  }
+  cp_async_commit();
+  const std::int64_t q_row = q0 + warp * 16 + (lane >> 2);
+  const RowStats rs[2] = {row_stats(p, seq, q_row, h), row_stats(p, seq, q_row + 8, h)};
+  cp_async_wait_all();
+  __syncthreads();
+
+  float dq[D / 8][4];
+#pragma unroll
+  for (int n = 0; n < D / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
+
+  for (std::int64_t k0 = 0; k0 < k_end; k0 += BK) {
+    float s[BK / 8][4], dp[BK / 8][4];
+    qk_logits<T, D, BK>(s, q_tile, warp * 16, k_tile, 0);
+    scale_and_mask<BK>(s, p.scale, mask, mask.block_needs_mask(q0, k0, BK), q_row, k0);
+    qk_logits<T, D, BK>(dp, do_tile, warp * 16, v_tile, 0);
+    probs_and_dscores<BK>(s, dp, rs);
+    // dQ += dS K (the scale is applied once at the end).
+#pragma unroll
+    for (int kt = 0; kt < BK / 16; ++kt) {
+      std::uint32_t a[4];
+      a[0] = Mma<T>::pack(dp[2 * kt][0], dp[2 * kt][1]);
+      a[1] = Mma<T>::pack(dp[2 * kt][2], dp[2 * kt][3]);
+      a[2] = Mma<T>::pack(dp[2 * kt + 1][0], dp[2 * kt + 1][1]);
+      a[3] = Mma<T>::pack(dp[2 * kt + 1][2], dp[2 * kt + 1][3]);
+#pragma unroll
+      for (int np = 0; np < D / 16; ++np) {
+        std::uint32_t bk[4];
+        ldmatrix_x4_trans(bk, smem_addr(k_tile + swizzle<D>(kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                            np * 2 + (lane >> 4))));
+        Mma<T>::run(dq[2 * np], a, bk[0], bk[1]);
+        Mma<T>::run(dq[2 * np + 1], a, bk[2], bk[3]);
+      }
+    }
+    __syncthreads();  // every warp is done with K, V of this block
+    if (k0 + BK < k_end) {
+      load_tile<BK, D, C::kDqThreads>(k_tile, k + (k0 + BK) * p.k_strides.row, p.k_strides.row,
+                                      seq.len_k - k0 - BK, p.aligned16);
+      load_tile<BK, D, C::kDqThreads>(v_tile, v + (k0 + BK) * p.v_strides.row, p.v_strides.row,
+                                      seq.len_k - k0 - BK, p.aligned16);
+      cp_async_commit();
+      cp_async_wait_all();
+      __syncthreads();
+    }
+  }
+
+  auto* dq_out = static_cast<std::uint16_t*>(p.dq);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const std::int64_t i = q_row + 8 * r;
+    if (i >= seq.len_q) continue;
+    std::uint16_t* dst = dq_out + q_side_offset(p, p.dq_strides, seq, i, h);
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n)
+      store_pair<T>(dst + n * 8 + (lane & 3) * 2, dq[n][2 * r] * p.scale, dq[n][2 * r + 1] * p.scale,
+                    p.out_aligned4);
+  }
+}
+
+}  // namespace vidattn::cuda_sm80

@@ -1,0 +1,192 @@
+// Dense attention forward (FlashAttention-2 scheme): one CTA per (query block, head, batch);
+// each warp owns 32 query rows (two m16 tiles); key/value blocks stream through shared
+// memory with cp.async (the V load overlaps Q K^T, the next K load overlaps P V).
+#pragma once
+
+#include <cstdint>
+
+#include "mma_utils.h"
+#include "params.h"
+#include "softmax_mask.h"
+#include "tile_io.h"
+
+namespace vidattn::cuda_sm80 {
+
+template <int D>
+struct FwdConfig {
+  // 4 warps of 2 m-tiles (32 query rows) each: every K / V fragment read from shared memory
+  // feeds two mma instead of one (16-row warps are bound by shared-memory bandwidth), and at
+  // <= 255 registers two CTAs share an SM.
+  static constexpr int kWarps = 4;
+  static constexpr int kMTiles = 2;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBlockQ = 16 * kMTiles * kWarps;
+  static constexpr int kBlockK = 64;
+  static constexpr int kSmemBytes = (kBlockQ + 2 * kBlockK) * D * 2;
+};
+
+template <class T, int D>
+__global__ void __launch_bounds__(FwdConfig<D>::kThreads, 2)
+    attention_fwd_kernel(const AttentionParams p) {
+  using C = FwdConfig<D>;
+  constexpr int BQ = C::kBlockQ, BK = C::kBlockK, MT = C::kMTiles;
+  extern __shared__ __align__(128) std::uint16_t smem[];
+  std::uint16_t* q_tile = smem;
+  std::uint16_t* k_tile = q_tile + BQ * D;
+  std::uint16_t* v_tile = k_tile + BK * D;
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / p.group;
+  // Causal: the longest blocks (last queries) first, so the tail of the grid is short.
+  const int qblock = p.causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const Sequence seq = sequence_of(p, b);
+  const std::int64_t q0 = static_cast<std::int64_t>(qblock) * BQ;
+  if (q0 >= seq.len_q) return;
+  const std::int64_t rows = seq.len_q - q0 < BQ ? seq.len_q - q0 : BQ;
+  const MaskInfo mask = mask_info(p, seq);
+  const std::int64_t k_end = key_end(mask, q0, rows);
+
+  const auto* q = static_cast<const std::uint16_t*>(p.q) + q_side_offset(p, p.q_strides, seq, q0, h);
+  const auto* k = static_cast<const std::uint16_t*>(p.k) + k_side_offset(p, p.k_strides, seq, 0, hk);
+  const auto* v = static_cast<const std::uint16_t*>(p.v) + k_side_offset(p, p.v_strides, seq, 0, hk);
+
+  load_tile<BQ, D, C::kThreads>(q_tile, q, p.q_strides.row, rows, p.aligned16);
+  if (k_end > 0) load_tile<BK, D, C::kThreads>(k_tile, k, p.k_strides.row, seq.len_k, p.aligned16);
+  cp_async_commit();
+  cp_async_wait_all();
+  __syncthreads();
+
+  const int warp_row0 = warp * 16 * MT;  // first row of this warp in the block
+  float o[MT][D / 8][4];
+  float row_max[MT][2], row_sum[MT][2];  // row_sum: this thread's partial sums
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int n = 0; n < D / 8; ++n) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+    row_max[mt][0] = row_max[mt][1] = -INFINITY;
+    row_sum[mt][0] = row_sum[mt][1] = 0.f;
+  }
+  const std::int64_t q_row = q0 + warp_row0 + (lane >> 2);  // + 16 * mt + 8 * half
+
+  for (std::int64_t k0 = 0; k0 < k_end; k0 += BK) {
+    // K(k0) is resident; fetch V(k0) behind the logits.
+    load_tile<BK, D, C::kThreads>(v_tile, v + k0 * p.v_strides.row, p.v_strides.row,
+                                  seq.len_k - k0, p.aligned16);
+    cp_async_commit();
+
+    // S = Q K^T, the same mma chain per element as qk_logits (k-order 0 .. D/16 - 1 from a
+    // zero accumulator), so the backward's recomputed logits are bit-identical.
+    float s[MT][BK / 8][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int n = 0; n < BK / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      std::uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+        ldmatrix_x4(a[mt], smem_addr(q_tile + swizzle<D>(warp_row0 + mt * 16 + (lane & 15),
+                                                        kk * 2 + (lane >> 4))));
+#pragma unroll
+      for (int np = 0; np < BK / 16; ++np) {
+        std::uint32_t bk[4];
+        ldmatrix_x4(bk, smem_addr(k_tile + swizzle<D>(np * 16 + (lane & 7) + ((lane >> 4) << 3),
+                                                      kk * 2 + ((lane >> 3) & 1))));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma<T>::run(s[mt][2 * np], a[mt], bk[0], bk[1]);
+          Mma<T>::run(s[mt][2 * np + 1], a[mt], bk[2], bk[3]);
+        }
+      }
+    }
+    const bool needs_mask = mask.block_needs_mask(q0, k0, BK);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      scale_and_mask<BK>(s[mt], p.scale, mask, needs_mask, q_row + 16 * mt, k0);
+      // Online softmax; a row with nothing visible yet keeps max -inf and adds nothing.
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = row_max[mt][r];
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) mx = fmaxf(mx, fmaxf(s[mt][n][2 * r], s[mt][n][2 * r + 1]));
+        mx = quad_max(mx);
+        const float base = mx == -INFINITY ? 0.f : mx * kLog2e;
+        const float alpha = exp2_approx(row_max[mt][r] * kLog2e - base);
+        row_max[mt][r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int n = 0; n < BK / 8; ++n) {
+          s[mt][n][2 * r] = exp2_approx(fmaf(s[mt][n][2 * r], kLog2e, -base));
+          s[mt][n][2 * r + 1] = exp2_approx(fmaf(s[mt][n][2 * r + 1], kLog2e, -base));
+          sum += s[mt][n][2 * r] + s[mt][n][2 * r + 1];
+        }
+        row_sum[mt][r] = row_sum[mt][r] * alpha + sum;
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) o[mt][n][2 * r] *= alpha, o[mt][n][2 * r + 1] *= alpha;
+      }
+    }
+
+    cp_async_wait_all();
+    __syncthreads();  // V(k0) resident; every warp is done reading K(k0)
+    if (k0 + BK < k_end) {
+      load_tile<BK, D, C::kThreads>(k_tile, k + (k0 + BK) * p.k_strides.row, p.k_strides.row,
+                                    seq.len_k - k0 - BK, p.aligned16);
+      cp_async_commit();
+    }
+
+    // O += P V: the accumulator layout of P is the A-operand layout of the next mma.
+#pragma unroll
+    for (int kt = 0; kt < BK / 16; ++kt) {
+      std::uint32_t a[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        a[mt][0] = Mma<T>::pack(s[mt][2 * kt][0], s[mt][2 * kt][1]);
+        a[mt][1] = Mma<T>::pack(s[mt][2 * kt][2], s[mt][2 * kt][3]);
+        a[mt][2] = Mma<T>::pack(s[mt][2 * kt + 1][0], s[mt][2 * kt + 1][1]);
+        a[mt][3] = Mma<T>::pack(s[mt][2 * kt + 1][2], s[mt][2 * kt + 1][3]);
+      }
+#pragma unroll
+      for (int np = 0; np < D / 16; ++np) {
+        std::uint32_t bv[4];
+        ldmatrix_x4_trans(bv, smem_addr(v_tile + swizzle<D>(kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
+                                                            np * 2 + (lane >> 4))));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          Mma<T>::run(o[mt][2 * np], a[mt], bv[0], bv[1]);
+          Mma<T>::run(o[mt][2 * np + 1], a[mt], bv[2], bv[3]);
+        }
+      }
+    }
+    cp_async_wait_all();
+    __syncthreads();  // K(k0 + BK) resident; every warp is done reading V(k0)
+  }
+
+  // Epilogue: normalise, zero the rows that saw nothing or are padded queries, write O, LSE.
+  auto* out = static_cast<std::uint16_t*>(p.out);
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const float sums[2] = {quad_sum(row_sum[mt][0]), quad_sum(row_sum[mt][1])};  // whole warp
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const std::int64_t i = q_row + 16 * mt + 8 * r;
+      if (i >= seq.len_q) continue;
+      const float sum = sums[r];
+      bool empty = !(sum > 0.f);
+      if (p.query_mask && !p.query_mask[seq.batch * p.query_mask_batch + i * p.query_mask_row])
+        empty = true;
+      const float inv = empty ? 0.f : 1.f / sum;
+      std::uint16_t* dst = out + q_side_offset(p, p.out_strides, seq, i, h);
+#pragma unroll
+      for (int n = 0; n < D / 8; ++n)
+        store_pair<T>(dst + n * 8 + (lane & 3) * 2, o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv,
+                      p.out_aligned4);
+      if ((lane & 3) == 0)
+        p.lse[q_side_offset(p, p.lse_strides, seq, i, h)] =
+            empty ? -INFINITY : row_max[mt][r] + logf(sum);
+    }
+  }
+}
+
+}  // namespace vidattn::cuda_sm80

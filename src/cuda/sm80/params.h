@@ -1,0 +1,63 @@
+// Kernel parameters of the sm_80 dense attention kernels: raw pointers and 64-bit strides
+// (elements) of every tensor, so that any [B, S, H, D] view with a unit-stride D works and
+// offsets past 2^31 elements stay exact.
+#pragma once
+
+#include <cstdint>
+
+namespace vidattn::cuda_sm80 {
+
+// Where a [B, S, H, D] (batched) or [T, H, D] (varlen) tensor keeps its rows.
+struct RowStrides {
+  std::int64_t batch = 0;  // unused in varlen mode: sequences are found through cu_seqlens
+  std::int64_t row = 0;
+  std::int64_t head = 0;
+};
+
+struct AttentionParams {
+  // Forward inputs and outputs (element type: the kernel's T).
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;  // [B, Hq, Sq] or [Hq, Tq]; strides in lse_strides
+  RowStrides q_strides, k_strides, v_strides, out_strides, lse_strides;
+
+  // Backward only.
+  const void* grad_out = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  float* delta = nullptr;  // workspace [Hq][rows_q]: rowsum(dO * O), contiguous
+  RowStrides grad_out_strides, dq_strides, dk_strides, dv_strides;
+
+  // Varlen: int32 [N + 1] offsets, read on the device.
+  const std::int32_t* cu_seqlens_q = nullptr;
+  const std::int32_t* cu_seqlens_k = nullptr;
+  std::int64_t cu_seqlens_q_stride = 1, cu_seqlens_k_stride = 1;
+
+  // Padding masks, bool [B, Sk] / [B, Sq] read as bytes; null when absent.
+  const std::uint8_t* key_mask = nullptr;
+  const std::uint8_t* query_mask = nullptr;
+  std::int64_t key_mask_batch = 0, key_mask_row = 0;
+  std::int64_t query_mask_batch = 0, query_mask_row = 0;
+
+  int batch = 0;  // B, or the number of sequences
+  int heads_q = 0;
+  int heads_kv = 0;
+  int group = 1;                // heads_q / heads_kv
+  std::int64_t seqlen_q = 0;    // Sq, or max_seqlen_q (varlen)
+  std::int64_t seqlen_k = 0;    // Sk, or max_seqlen_k (varlen)
+  std::int64_t rows_q = 0;      // rows of q: B * Sq, or Tq
+  std::int64_t rows_k = 0;      // rows of k: B * Sk, or Tk
+  float scale = 0.f;
+  bool causal = false;
+  bool varlen = false;
+  // Every row start of every tile tensor is 16-byte aligned: tiles load with cp.async;
+  // otherwise with element-wise loads (correct, slower).
+  bool aligned16 = false;
+  // Output row starts are 4-byte aligned (column pairs stored as one word).
+  bool out_aligned4 = false;
+};
+
+}  // namespace vidattn::cuda_sm80

@@ -1,0 +1,64 @@
+"""Dense attention forward / backward TFLOP/s of vidattn against PyTorch SDPA (cuDNN and
+flash backends) at a few shapes; median of triton.testing.do_bench. Writes JSON to argv[1]."""
+import json
+import sys
+
+import torch
+import triton.testing
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+import vidattn
+
+SHAPES = [(1, 32768, 12, 128, False), (2, 16384, 32, 64, False), (1, 16384, 12, 128, True)]
+
+
+def tflops(flops, ms):
+    return flops / (ms * 1e-3) / 1e12
+
+
+def main(path):
+    g = torch.Generator(device="cuda")
+    g.manual_seed(0)
+    rows = []
+    for B, S, H, D, causal in SHAPES:
+        q, k, v, go = (torch.randn((B, S, H, D), generator=g, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(4))
+        fwd_flops = 4 * B * H * S * S * D / (2 if causal else 1)
+        row = {"shape": [B, S, H, D], "causal": causal}
+        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+
+        def ours_fwd():
+            return vidattn.attention(q, k, v, causal=causal)
+        out = vidattn.attention(qg, kg, vg, causal=causal)
+
+        def ours_bwd():
+            return torch.autograd.grad(out, (qg, kg, vg), go, retain_graph=True)
+        row["vidattn_fwd"] = tflops(fwd_flops, triton.testing.do_bench(ours_fwd, return_mode="median"))
+        row["vidattn_bwd"] = tflops(2.5 * fwd_flops, triton.testing.do_bench(ours_bwd, return_mode="median"))
+        qt, kt, vt, got = (t.transpose(1, 2) for t in (q, k, v, go))
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+            try:
+                with sdpa_kernel(backend):
+                    qs, ks, vs = (t.clone().requires_grad_() for t in (qt, kt, vt))
+                    o = sdpa(qs, ks, vs, is_causal=causal)
+                    f = triton.testing.do_bench(lambda: sdpa(qt, kt, vt, is_causal=causal), return_mode="median")
+                    b = triton.testing.do_bench(
+                        lambda: torch.autograd.grad(o, (qs, ks, vs), got, retain_graph=True), return_mode="median")
+                row[f"{name}_fwd"] = tflops(fwd_flops, f)
+                row[f"{name}_bwd"] = tflops(2.5 * fwd_flops, b)
+            except Exception as e:  # a backend that does not take this shape
+                row[f"{name}_error"] = str(e)[:200]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    with open(path, "w") as f:
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+    print(f"{'shape':>24} {'causal':>6} | {'ours f':>7} {'cudnn f':>7} {'flash f':>7} | {'ours b':>7} {'cudnn b':>7} {'flash b':>7}")
+    for r in rows:
+        print(f"{str(r['shape']):>24} {str(r['causal']):>6} | " + " ".join(
+            f"{r.get(k, float('nan')):7.1f}" for k in ("vidattn_fwd", "cudnn_fwd", "flash_fwd")) + " | " + " ".join(
+            f"{r.get(k, float('nan')):7.1f}" for k in ("vidattn_bwd", "cudnn_bwd", "flash_bwd")))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "bench_dense_cuda.json")

@@ -1,0 +1,35 @@
+"""One small CUDA forward + backward per feature (masks, causal, GQA, varlen, strides), for
+compute-sanitizer runs: exits non-zero on any non-finite output."""
+import torch
+
+import vidattn
+
+
+def main() -> None:
+    g = torch.Generator(device="cuda")
+    g.manual_seed(0)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(shape, generator=g, device="cuda").to(dtype).requires_grad_()
+
+    results = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for D in (64, 128):
+            q, k, v = rnd(2, 70, 4, D, dtype=dtype), rnd(2, 90, 2, D, dtype=dtype), rnd(2, 90, 2, D, dtype=dtype)
+            kmask = torch.rand((2, 90), generator=g, device="cuda") > 0.3
+            qmask = torch.rand((2, 70), generator=g, device="cuda") > 0.2
+            out = vidattn.attention(q, k, v, causal=True, key_padding_mask=kmask, query_padding_mask=qmask)
+            results += [out] + list(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+            cu_q = torch.tensor([0, 10, 10, 75], dtype=torch.int32, device="cuda")
+            cu_k = torch.tensor([0, 5, 37, 100], dtype=torch.int32, device="cuda")
+            qv, kv, vv = rnd(75, 4, D, dtype=dtype), rnd(100, 2, D, dtype=dtype), rnd(100, 2, D, dtype=dtype)
+            out = vidattn.attention_varlen(qv, kv, vv, cu_q, cu_k, 65, 63, causal=True)
+            results += [out] + list(torch.autograd.grad(out, (qv, kv, vv), torch.ones_like(out)))
+    torch.cuda.synchronize()
+    bad = [i for i, t in enumerate(results) if not torch.isfinite(t).all()]
+    print("cuda_smoke: tensors", len(results), "non-finite", bad)
+    raise SystemExit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# GPU runner: on a machine with an NVIDIA GPU, python3 with a CUDA torch, nvcc, cmake and
+# ninja (no network needed), builds vidattn, runs the whole pytest suite and the C++ tests on
+# it, compute-sanitizer (memcheck, racecheck) on a small forward + backward, and the
+# benchmarks; leaves logs and JSON under $OUT (default ./gpu-run) and prints a summary.
+#
+#   OUT=/tmp/run bash tools/gpu_runner.sh            # everything
+#   STAGES="build pytest" bash tools/gpu_runner.sh   # a subset (build pytest cpp sanitizer bench)
+#   PYTEST_ARGS="-k cuda" bash tools/gpu_runner.sh   # extra pytest arguments
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(pwd)/gpu-run}
+STAGES=${STAGES:-"build pytest cpp sanitizer bench"}
+PYTHON=${PYTHON:-python3}
+JOBS=${JOBS:-$(nproc)}
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)/python${PYTHONPATH:+:$PYTHONPATH}
+declare -a SUMMARY=()
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+# stage NAME TIMEOUT_S CMD...: runs CMD with a time limit, logs to $LOGS/NAME.log.
+stage() {
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "=== $name: $*"
+  timeout --kill-after=10 "$limit" "$@" >"$LOGS/$name.log" 2>&1
+  local rc=$?
+  tail -n 25 "$LOGS/$name.log"
+  SUMMARY+=("$(printf '%-22s rc=%-4s %5ss  %s' "$name" "$rc" "$((SECONDS - t0))" "$(tail -n 1 "$LOGS/$name.log" | cut -c1-90)")")
+  return $rc
+}
+
+# The distribution's g++ by default: the image's CXX (/opt/gcc/bin/g++, a wrapper whose
+# library path holds a static libstdc++) linked libstdc++ into the op library, and that second
+# copy beside torch's crashed formatting an integer into an error message. RUNNER_CXX=...
+# picks another compiler.
+RUNNER_CXX=${RUNNER_CXX:-$( [ -x /usr/bin/g++ ] && echo /usr/bin/g++ || echo "${CXX:-c++}")}
+export CXX=$RUNNER_CXX CUDAHOSTCXX=$RUNNER_CXX
+if [ "$RUNNER_CXX" = /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CC=/usr/bin/gcc; fi
+{
+  echo "CXX=${CXX:-} CUDAHOSTCXX=${CUDAHOSTCXX:-}"; ${CXX:-c++} --version | head -n 1
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm --format=csv
+  nvcc --version | tail -n 2
+  $PYTHON -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.get_device_name())'
+  cmake --version | head -n 1
+} >"$LOGS/env.log" 2>&1
+cat "$LOGS/env.log"
+
+BUILD_OK=1
+if has build; then
+  tests_flag=OFF
+  if [ -n "$(find /usr /opt -name GTestConfig.cmake -print -quit 2>/dev/null)" ]; then tests_flag=ON; fi
+  stage configure 120 cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    -DVIDATTN_CUDA=ON -DVIDATTN_BUILD_TORCH=ON -DVIDATTN_BUILD_TESTS=$tests_flag \
+    -DPython_EXECUTABLE="$(command -v $PYTHON)" || BUILD_OK=0
+  if [ $BUILD_OK = 1 ]; then
+    stage build 300 cmake --build build/gpu -j "$JOBS" && cp build/gpu/_vidattn_ops.so python/vidattn/ || BUILD_OK=0
+  fi
+  if [ $BUILD_OK = 1 ] && ! ldd python/vidattn/_vidattn_ops.so | grep -q 'libstdc++'; then
+    echo "WARNING: _vidattn_ops.so does not load the shared libstdc++ (static copy? compiler: $CXX)" | tee -a "$LOGS/env.log"
+  fi
+fi
+
+if [ $BUILD_OK = 1 ]; then
+  if has pytest; then
+    stage pytest 300 $PYTHON -m pytest tests/python -q -rfE -p no:cacheprovider \
+      --junitxml="$OUT/pytest.xml" ${PYTEST_ARGS:-}
+  fi
+  if has cpp && [ -x build/gpu/tests/cpp/vidattn_cpp_tests ]; then
+    stage cpp_tests 120 build/gpu/tests/cpp/vidattn_cpp_tests --gtest_brief=1
+  fi
+  if has sanitizer; then
+    for tool in memcheck racecheck; do
+      stage "sanitizer_$tool" 150 compute-sanitizer --tool "$tool" --error-exitcode 3 \
+        --kernel-name kns=attention $PYTHON tools/cuda_smoke.py
+    done
+  fi
+  if has bench; then
+    if [ -d python/vidattn/bench ]; then
+      stage vidattn_bench 240 $PYTHON -m vidattn.bench
+    fi
+    stage bench_dense 200 $PYTHON tools/bench_dense_cuda.py "$OUT/bench_dense_cuda.json"
+  fi
+fi
+
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
+echo
+echo "================ summary ================"
+printf '%s\n' "${SUMMARY[@]}"
