@@ -2,6 +2,7 @@
 #include "vidattn/rope.h"
 
 #include <stdexcept>
+#include <utility>
 
 #include "check.h"
 #include "rope_backends.h"
@@ -41,8 +42,10 @@ RopeProblem describe(const char* function, const TensorView& x, const TensorView
     detail::throw_type_error(function, ": argument 'cos' must be float32, float16, bfloat16 or "
                              "float64, got ", dtype_name(cos.dtype));
   check.dtype(sin, "sin", cos.dtype);
-  check.same_device(cos, "cos", x.device);
-  check.same_device(sin, "sin", x.device);
+  for (auto [t, name] : {std::pair{&cos, "cos"}, {&sin, "sin"}})
+    if (!(t->device == x.device))
+      check.fail("argument '", name, "' must be on ", device_name(x.device), " like x, got ",
+                 device_name(t->device));
   if (cos.shape[0] != p.seqlen || (cos.shape[1] != p.head_dim && cos.shape[1] != p.head_dim / 2))
     check.fail("argument 'cos' must be [S, D] = [", p.seqlen, ", ", p.head_dim, "] or [S, D/2] = [",
                p.seqlen, ", ", p.head_dim / 2, "] for x of shape ", shape_string(x), ", got ",
@@ -94,7 +97,9 @@ void apply_rope(const TensorView& x, const TensorView& cos, const TensorView& si
   check.non_null(sin, "sin");
   check.non_null(out, "out");
   check.dtype(out, "out", x.dtype);
-  check.same_device(out, "out", x.device);
+  if (!(out.device == x.device))
+    check.fail("argument 'out' must be on ", device_name(x.device), " like x, got ",
+               device_name(out.device));
   bool same = out.ndim == 4;
   for (int d = 0; same && d < 4; ++d) same = out.shape[d] == x.shape[d];
   if (!same)

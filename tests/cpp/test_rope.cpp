@@ -221,7 +221,7 @@ TEST(Rope, BadArgumentsAreNamed) {
     return v;
   };
   expect_message([&] { vidattn::apply_rope(x, on_gpu(cos), on_gpu(cos), out, {}); },
-                 "argument 'cos' must be on cpu");
+                 "argument 'cos' must be on cpu like x, got cuda:0");
   EXPECT_THROW(vidattn::apply_rope(on_gpu(x), on_gpu(cos), on_gpu(cos), on_gpu(out), {}),
                vidattn::NotImplementedError);
 }

@@ -289,3 +289,52 @@ def test_bad_inputs():
         vidattn.apply_rope(x, cos.int(), cos.int())
     with pytest.raises(ValueError, match="unit stride"):
         vidattn.apply_rope(torch.randn(2, 5, 8, 3).transpose(-1, -2), cos, cos)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("full", [False, True])
+def test_cuda_matches_float64_reference(dtype, interleaved, full):
+    gen = _gen(3000 + DTYPES.index(dtype) * 10 + interleaved * 2 + full)
+    b, s, h, d = 2, 37, 3, 64
+    x = (torch.randn(b, s, h, d, generator=gen) * 4).to(dtype)
+    cos, sin = _tables(s, d, full, interleaved, gen, distinct=full)
+    out = vidattn.apply_rope(x.cuda(), cos.cuda(), sin.cuda(), interleaved=interleaved)
+    assert out.is_cuda and out.dtype == dtype and out.is_contiguous()
+    ref64 = rope_reference(x.double(), cos.double(), sin.double(), interleaved)
+    err = (out.cpu().double() - ref64).abs().max().item()
+    assert err <= _tolerance(x, cos, sin, interleaved, ref64), err
+
+
+@needs_cuda
+def test_cuda_strided_gradients_and_tables():
+    gen = _gen(3100)
+    base = torch.randn(2, 3, 20, 16, generator=gen, dtype=torch.float64)
+    x = base.transpose(1, 2).cuda().requires_grad_(True)  # [B, S, H, D] view of [B, H, S, D]
+    cos, sin = _tables(20, 16, True, False, gen, distinct=True, dtype=torch.float64)
+    cos_t = cos.t().contiguous().t().cuda()  # column-major table
+    grad_out = torch.randn(2, 20, 3, 16, generator=gen, dtype=torch.float64)
+    vidattn.apply_rope(x, cos_t, sin.cuda(), interleaved=False).backward(grad_out.cuda())
+    x64 = x.detach().cpu().requires_grad_(True)
+    ref = rope_reference(x64, cos, sin, False)
+    ref.backward(grad_out)
+    torch.testing.assert_close(x.grad.cpu(), x64.grad, rtol=0, atol=1e-12)
+    fn = lambda t: vidattn.apply_rope(t, cos_t, sin.cuda(), interleaved=False)  # noqa: E731
+    small = torch.randn(1, 20, 1, 16, generator=gen, dtype=torch.float64).cuda()
+    assert torch.autograd.gradcheck(fn, (small.requires_grad_(True),))
+
+
+@needs_cuda
+def test_cuda_opcheck_and_empty():
+    gen = _gen(3200)
+    x = torch.randn(2, 7, 3, 16, generator=gen).cuda().requires_grad_(True)
+    cos, sin = (t.cuda() for t in _tables(7, 16, False, True, gen))
+    torch.library.opcheck(torch.ops.vidattn.apply_rope.default, (x, cos, sin))
+    empty = torch.randn(0, 7, 3, 16).cuda()
+    assert vidattn.apply_rope(empty, cos, sin).shape == empty.shape
+    with pytest.raises(ValueError, match="argument 'cos' must be on cuda:0 like x, got cpu"):
+        vidattn.apply_rope(x, cos.cpu(), sin.cpu())
