@@ -266,12 +266,45 @@ def _subgroup_parity(rank, world):
         _assert_matches(got, _reference(case, "dense"), rows, f"subgroup {label}")
 
 
+def _compile_vsa_check(rank, world):
+    """The VSA layer (tiling, gate, RoPE, padding) under fullgraph compile."""
+    gen = torch.Generator().manual_seed(8)
+    grid = (3, 5, 9)  # 135 tokens: padded to a multiple of the world size
+    tokens = grid[0] * grid[1] * grid[2]
+    s_local = -(-tokens // world)
+    h, d = 4, 16
+    theta = torch.rand(tokens, d // 2, generator=gen)
+    cos, sin = theta.cos(), theta.sin()
+    full = [torch.randn(1, world * s_local, h, d, generator=gen) for _ in range(4)]
+    rows = slice(rank * s_local, (rank + 1) * s_local)
+    q, k, v, gate = (t[:, rows].clone().requires_grad_(True) for t in full)
+    layer = vidattn.DistributedAttention(
+        "vsa", tiling=vidattn.VideoTiling(grid=grid, tile=(4, 4, 4)), topk=2)
+
+    def model(q, k, v, gate):
+        return layer(q, k, v, seq_len=tokens, cos=cos, sin=sin, gate=gate).square().sum()
+
+    explanation = torch._dynamo.explain(model)(q, k, v, gate)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    eager = model(q, k, v, gate)
+    g_eager = torch.autograd.grad(eager, (q, k, v, gate))
+    compiled = torch.compile(model, fullgraph=True, backend=os.environ.get(
+        "VIDATTN_TEST_COMPILE_BACKEND", "aot_eager"))
+    got = compiled(q, k, v, gate)
+    g_comp = torch.autograd.grad(got, (q, k, v, gate))
+    torch.testing.assert_close(got, eager, rtol=1e-5, atol=1e-5)
+    for a, b in zip(g_comp, g_eager):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
 TASKS = {
     "parity": lambda rank, world: _check_all(rank, world),
     "heads_not_divisible": _heads_not_divisible,
     "vsa": _check_vsa,
     "parity_cuda": lambda rank, world: _check_all(rank, world, device=torch.device("cuda", rank)),
     "compile": _compile_check,
+    "compile_vsa": _compile_vsa_check,
     "subgroup": _subgroup_parity,
 }
 
@@ -323,7 +356,8 @@ def _spawn(world, tasks, backend="gloo"):
 
 @pytest.fixture(scope="module")
 def two_processes():
-    return _spawn(2, ["parity", "heads_not_divisible", "compile"] + (["vsa"] if HAVE_VSA else []))
+    return _spawn(2, ["parity", "heads_not_divisible", "compile"]
+                  + (["vsa", "compile_vsa"] if HAVE_VSA else []))
 
 
 @pytest.fixture(scope="module")
@@ -385,6 +419,11 @@ def test_compile_fullgraph_under_gloo(two_processes):
     traced into one forward and one backward graph); VIDATTN_TEST_COMPILE_BACKEND=inductor
     also runs Inductor's CPU codegen (minutes on a 2-core machine)."""
     _assert_task(two_processes, "compile")
+
+
+@pytest.mark.skipif(not HAVE_VSA, reason="this build has no vidattn.video_sparse_attention")
+def test_compile_fullgraph_vsa_under_gloo(two_processes):
+    _assert_task(two_processes, "compile_vsa")
 
 
 def test_world_size_one_is_plain_attention():
