@@ -22,6 +22,7 @@ if(VIDATTN_USE_BLAS)
 endif()
 
 set(VIDATTN_CUDA_ENABLED OFF)
+set(VIDATTN_HAVE_CUDA_SOURCES OFF)  # set by cuda.cmake when src/cuda has sources
 if(VIDATTN_CUDA STREQUAL "ON" OR VIDATTN_CUDA STREQUAL "AUTO")
   include(CheckLanguage)
   check_language(CUDA)

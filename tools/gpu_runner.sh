@@ -5,8 +5,10 @@
 # benchmarks; leaves logs and JSON under $OUT (default ./gpu-run) and prints a summary.
 #
 #   OUT=/tmp/run bash tools/gpu_runner.sh            # everything
-#   STAGES="build pytest" bash tools/gpu_runner.sh   # a subset (build pytest cpp sanitizer bench)
+#   STAGES="build pytest" bash tools/gpu_runner.sh   # a subset (build pytest cpp sanitizer bench bench_dense)
 #   PYTEST_ARGS="-k cuda" bash tools/gpu_runner.sh   # extra pytest arguments
+#   VIDATTN_GIT_COMMIT=<hash> names the commit in the bench JSON when the tree has no .git
+#   BENCH_ARGS="--shapes gpu-dense --out $OUT/bench.json" bash tools/gpu_runner.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(pwd)/gpu-run}
@@ -77,8 +79,10 @@ if [ $BUILD_OK = 1 ]; then
   fi
   if has bench; then
     if [ -d python/vidattn/bench ]; then
-      stage vidattn_bench 240 $PYTHON -m vidattn.bench
+      stage vidattn_bench 300 $PYTHON -m vidattn.bench --no-progress ${BENCH_ARGS:-}
     fi
+  fi
+  if has bench_dense; then
     stage bench_dense 200 $PYTHON tools/bench_dense_cuda.py "$OUT/bench_dense_cuda.json"
   fi
 fi

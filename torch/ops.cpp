@@ -2,6 +2,7 @@
 // registered on the ops themselves. The kernels are thin: they allocate outputs and call
 // the torch-free C++ API.
 #include <ATen/ATen.h>
+#include <ATen/DeviceGuard.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -70,6 +71,7 @@ std::vector<int64_t> to_vector(const std::int64_t* shape, int n) {
 
 std::tuple<Tensor, Tensor> forward_kernel(const char* fn, const Tensor& q, const Tensor& k,
                                           const Tensor& v, const AttentionArgs& a) {
+  const at::OptionalDeviceGuard device_guard(at::device_of(q));  // q's GPU, not the current one
   return translate_errors([&] {
     const TensorView qv = view_of(q, fn, "q"), kv = view_of(k, fn, "k"), vv = view_of(v, fn, "v");
     const AttentionOptions o = options_of(a, fn, q);
@@ -107,6 +109,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_kernel(
     const OptTensor& query_padding_mask, const OptTensor& cu_seqlens_q,
     const OptTensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
   constexpr const char* fn = "vidattn.attention_backward";
+  const at::OptionalDeviceGuard device_guard(at::device_of(q));
   return translate_errors([&] {
     AttentionArgs a{scale,        causal,       key_padding_mask, query_padding_mask,
                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q,     max_seqlen_k};

@@ -55,6 +55,9 @@ def git_info() -> dict:
     """Commit of the checkout the bench code lives in (None when installed from a wheel) and
     whether its tracked files differ from it."""
     commit = _git("rev-parse", "HEAD")
+    if commit is None and os.environ.get("VIDATTN_GIT_COMMIT"):
+        # A copy of the tree without .git (the GPU runner's): the caller names the commit.
+        return {"git_commit": os.environ["VIDATTN_GIT_COMMIT"], "git_dirty": None}
     # Modified tracked files, not counting bench results (written by the bench itself).
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ":(top)",
                   ":(top,exclude)bench/results")
