@@ -2,6 +2,7 @@
 // The backward of the map is its transpose (for one angle per pair, the rotation by -angle),
 // so it is the same op with `transpose` flipped; double backward comes for free.
 #include <ATen/ATen.h>
+#include <ATen/DeviceGuard.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
@@ -37,6 +38,7 @@ RopeOptions rope_options(const Tensor& x, bool interleaved, bool transpose) {
 
 Tensor apply_rope_kernel(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved,
                          bool transpose) {
+  const at::OptionalDeviceGuard device_guard(at::device_of(x));  // x's GPU, not the current one
   return translate_errors([&] {
     const TensorView xv = view_of(x, kFn, "x");
     const TensorView cv = view_of(cos, kFn, "cos"), sv = view_of(sin, kFn, "sin");
