@@ -6,3 +6,4 @@
 #include "vidattn/rope.h"
 #include "vidattn/tensor_view.h"
 #include "vidattn/version.h"
+#include "vidattn/vsa.h"

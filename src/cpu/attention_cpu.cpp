@@ -3,6 +3,11 @@
 // backward passes. Every output element is owned by one task, so results are deterministic
 // whatever the thread count.
 //
+// One mainloop serves every attention pattern. A pattern says which key spans a query block
+// visits (dense: consecutive key blocks up to the causal bound; block-sparse: the key tiles
+// the query tile selected) and, for the dK/dV pass, which query blocks visit a key block
+// (dense: all, causal-skipped; block-sparse: the transposed k2q index).
+//
 // The inputs are first packed into contiguous [heads][rows][dim] buffers in the accumulator
 // type (float, or double for float64 inputs): this settles dtype conversion and arbitrary
 // strides once, in O(S * D), before the O(S^2 * D) block products, which then run on BLAS.
@@ -12,12 +17,15 @@
 #include <type_traits>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "../core/backends.h"
+#include "../core/vsa_backends.h"
 #include "../core/check.h"
 #include "cpu_math.h"
 #include "microkernels_avx2.h"
+#include "vsa_cpu.h"
 
 namespace vidattn::detail {
 namespace {
@@ -160,6 +168,14 @@ void store_row(const TensorView& t, std::int64_t offset, const Acc* src, std::in
   });
 }
 
+void store_zero_row(const TensorView& t, std::int64_t offset, std::int64_t n) {
+  visit_float_dtype(t.dtype, [&](auto tag) {
+    using S = Storage<decltype(tag)::value>;
+    auto* dst = static_cast<typename S::type*>(t.data) + offset;
+    for (std::int64_t d = 0; d < n; ++d) dst[d] = S::template store<float>(0.0f);
+  });
+}
+
 void store_scalar(const TensorView& t, std::int64_t offset, double value) {
   if (t.dtype == DType::kFloat64)
     static_cast<double*>(t.data)[offset] = value;
@@ -167,37 +183,32 @@ void store_scalar(const TensorView& t, std::int64_t offset, double value) {
     static_cast<float*>(t.data)[offset] = static_cast<float>(value);
 }
 
-// Everything a block task reads: packed inputs, sequences and masks.
+// Packed inputs of one call: q (pre-multiplied by the softmax scale), k, v as contiguous
+// [H][rows][D] in the accumulator type, and the sequences that rows belong to.
 template <class Acc>
 struct Context {
-  const AttentionProblem& p;
   Sequences seq;
   std::int64_t rows_q, rows_k;  // token rows of q and of k/v
+  std::int64_t heads_q, heads_kv, head_dim, head_dim_v;
   std::vector<Acc> q, k, v;     // [H][rows][D]
-  std::vector<std::uint8_t> k_valid, q_valid;
-  bool has_key_mask;
   int threads;
 
-  Context(const AttentionProblem& problem, const TensorView& qt, const TensorView& kt,
-          const TensorView& vt, const AttentionOptions& o, const ArgChecker& check)
-      : p(problem),
-        seq(resolve_sequences(check, problem, qt, kt, o)),
-        rows_q(qt.shape[0] * (problem.varlen ? 1 : qt.shape[1])),
-        rows_k(kt.shape[0] * (problem.varlen ? 1 : kt.shape[1])),
-        has_key_mask(o.key_padding_mask.has_value()),
-        threads(o.num_threads > 0 ? o.num_threads : omp_get_max_threads()) {
+  Context(Sequences sequences, const TensorView& qt, const TensorView& kt, const TensorView& vt,
+          bool varlen, double scale, int num_threads)
+      : seq(std::move(sequences)),
+        rows_q(qt.shape[0] * (varlen ? 1 : qt.shape[1])),
+        rows_k(kt.shape[0] * (varlen ? 1 : kt.shape[1])),
+        heads_q(qt.shape[qt.ndim - 2]),
+        heads_kv(kt.shape[kt.ndim - 2]),
+        head_dim(qt.shape[qt.ndim - 1]),
+        head_dim_v(vt.shape[vt.ndim - 1]),
+        threads(num_threads > 0 ? num_threads : omp_get_max_threads()) {
     // q is packed pre-multiplied by the softmax scale: the logits come straight out of the
     // block product, and forward and backward share this one rounding.
-    q = pack<Acc>(qt, p.varlen, rows_q, p.heads_q, p.head_dim, threads, Acc(p.scale));
-    k = pack<Acc>(kt, p.varlen, rows_k, p.heads_kv, p.head_dim, threads);
-    v = pack<Acc>(vt, p.varlen, rows_k, p.heads_kv, p.head_dim_v, threads);
+    q = pack<Acc>(qt, varlen, rows_q, heads_q, head_dim, threads, Acc(scale));
+    k = pack<Acc>(kt, varlen, rows_k, heads_kv, head_dim, threads);
+    v = pack<Acc>(vt, varlen, rows_k, heads_kv, head_dim_v, threads);
     if constexpr (kUseTiles<Acc>) pack_k_panels();
-    if (!p.varlen) {
-      k_valid = pack_mask(o.key_padding_mask, p.batch, p.seqlen_k);
-      q_valid = pack_mask(o.query_padding_mask, p.batch, p.seqlen_q);
-    } else {
-      q_valid.assign(static_cast<std::size_t>(rows_q), 1);
-    }
   }
 
 #if VIDATTN_CPU_AVX2
@@ -207,51 +218,47 @@ struct Context {
   std::int64_t panel_rows = 0;           // panel rows per head
 
   void pack_k_panels() {
-    for (std::int64_t b = 0; b < p.batch; ++b) {
+    const auto batch = static_cast<std::int64_t>(seq.k_len.size());
+    for (std::int64_t b = 0; b < batch; ++b) {
       panel_row0.push_back(panel_rows);
       panel_rows += (seq.k_len[b] + avx2::kPanel - 1) / avx2::kPanel * avx2::kPanel;
     }
-    k_panels.resize(static_cast<std::size_t>(p.heads_kv * panel_rows * p.head_dim));
+    k_panels.resize(static_cast<std::size_t>(heads_kv * panel_rows * head_dim));
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(static) \
-    if (p.heads_kv * panel_rows * p.head_dim >= kMinParallelElements)
-    for (std::int64_t h = 0; h < p.heads_kv; ++h)
-      for (std::int64_t b = 0; b < p.batch; ++b)
+    if (heads_kv * panel_rows * head_dim >= kMinParallelElements)
+    for (std::int64_t h = 0; h < heads_kv; ++h)
+      for (std::int64_t b = 0; b < batch; ++b)
         avx2::pack_panels(k_rows(h, seq.k_start[b]), static_cast<int>(seq.k_len[b]),
-                          static_cast<int>(p.head_dim), k_panel(h, b, 0));
+                          static_cast<int>(head_dim), k_panel(h, b, 0));
   }
   float* k_panel(std::int64_t h, std::int64_t b, std::int64_t j0) {
-    return k_panels.data() + (h * panel_rows + panel_row0[b] + j0) * p.head_dim;
+    return k_panels.data() + (h * panel_rows + panel_row0[b] + j0) * head_dim;
   }
   const float* k_panel(std::int64_t h, std::int64_t b, std::int64_t j0) const {
-    return k_panels.data() + (h * panel_rows + panel_row0[b] + j0) * p.head_dim;
+    return k_panels.data() + (h * panel_rows + panel_row0[b] + j0) * head_dim;
   }
 #else
   void pack_k_panels() {}
 #endif
 
-  std::int64_t kv_head(std::int64_t hq) const { return hq / (p.heads_q / p.heads_kv); }
+  std::int64_t kv_head(std::int64_t hq) const { return hq / (heads_q / heads_kv); }
   const Acc* q_rows(std::int64_t h, std::int64_t row) const {
-    return q.data() + (h * rows_q + row) * p.head_dim;
+    return q.data() + (h * rows_q + row) * head_dim;
   }
   const Acc* k_rows(std::int64_t h, std::int64_t row) const {
-    return k.data() + (h * rows_k + row) * p.head_dim;
+    return k.data() + (h * rows_k + row) * head_dim;
   }
   const Acc* v_rows(std::int64_t h, std::int64_t row) const {
-    return v.data() + (h * rows_k + row) * p.head_dim_v;
-  }
-  // Keys [0, key_end) of sequence b are visible to some query of the block [i0, i0 + rows).
-  std::int64_t key_end(std::int64_t b, std::int64_t i0, std::int64_t rows) const {
-    const std::int64_t kl = seq.k_len[b];
-    if (!p.causal) return kl;
-    return std::clamp<std::int64_t>(i0 + rows + kl - seq.q_len[b], 0, kl);
+    return v.data() + (h * rows_k + row) * head_dim_v;
   }
 
-  // Scaled, masked logits S[rows x cols] (leading dim kBlockK) of queries i0.. of head hq
-  // against keys j0.. of sequence b (q is packed pre-scaled). The forward and the backward
-  // both call this, so the backward recomputes exactly the forward's logits.
+  // Scaled logits S[rows x cols] (leading dim kBlockK) of queries i0.. of head hq against
+  // keys j0.. of sequence b, before the pattern's mask (q is packed pre-scaled). Forward and
+  // backward both call this, so the backward recomputes exactly the forward's logits. With
+  // the AVX2 tiles, columns up to the next multiple of 16 are written too (and ignored).
   void scores(std::int64_t b, std::int64_t hq, std::int64_t i0, int rows, std::int64_t j0,
               int cols, Acc* S) const {
-    const int D = static_cast<int>(p.head_dim);
+    const int D = static_cast<int>(head_dim);
 #if VIDATTN_CPU_AVX2
     if constexpr (kUseTiles<Acc>)
       avx2::gemm_nt_panels(rows, (cols + avx2::kPanel - 1) / avx2::kPanel, D,
@@ -261,20 +268,6 @@ struct Context {
 #endif
       cpu::gemm_nt<Acc>(rows, cols, D, q_rows(hq, seq.q_start[b] + i0), D,
                         k_rows(kv_head(hq), seq.k_start[b] + j0), D, Acc(0), S, kBlockK);
-    const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
-    const std::int64_t causal_shift = seq.k_len[b] - seq.q_len[b];
-    const std::uint8_t* kv = has_key_mask ? k_valid.data() + seq.k_start[b] + j0 : nullptr;
-    if (!p.causal && !kv) return;
-    for (int r = 0; r < rows; ++r) {
-      Acc* s = S + r * kBlockK;
-      if (p.causal) {
-        const std::int64_t last = i0 + r + causal_shift - j0;  // last visible column
-        for (std::int64_t c = std::max<std::int64_t>(last + 1, 0); c < cols; ++c) s[c] = neg_inf;
-      }
-      if (kv)
-        for (int c = 0; c < cols; ++c)
-          if (!kv[c]) s[c] = neg_inf;
-    }
   }
 };
 
@@ -299,20 +292,233 @@ Acc exp_shift_sum(Acc* s, int n, Acc shift) {
   return sum;
 }
 
-template <class Acc>
-void forward(const AttentionProblem& p, const TensorView& qt, const TensorView& kt,
-             const TensorView& vt, const TensorView& out, const TensorView& lse,
-             const AttentionOptions& o, const ArgChecker& check) {
-  const Context<Acc> c(p, qt, kt, vt, o, check);
-  const RowLayout out_layout = token_rows(out, p.varlen);
-  const RowLayout lse_layout = lse_rows(lse, p.varlen);
-  const std::int64_t Dv = p.head_dim_v;
+// ---- patterns ---------------------------------------------------------------------------
+//
+// A pattern says which work exists (rows and columns are relative to sequence b's start):
+//   query_blocks()               blocks of <= kBlockQ query rows of one (sequence, q head);
+//                                rows [valid_rows, rows) are padding: output 0, LSE -inf.
+//   for_each_key_span(qb, f)     the key spans (<= kBlockK consecutive keys) that query
+//                                block qb visits, in a fixed order: f(span).
+//   mask(qb, rows, span, S)      -inf on the logits qb may not see inside a span.
+//   query_row_valid(row)         false for a query row masked out by the caller (global row).
+//   key_blocks()                 blocks of <= kBlockK keys of one (sequence, kv head); rows
+//                                [valid_cols, cols) are padding: dK = dV = 0.
+//   for_each_query_block(kb, f)  the query blocks (any q head of kb's group) whose spans
+//                                include key block kb, in a fixed order: f(qb, span).
 
-  struct Task { std::int64_t b, h, i0; };
-  std::vector<Task> tasks;
-  for (std::int64_t b = 0; b < p.batch; ++b)
-    for (std::int64_t h = 0; h < p.heads_q; ++h)
-      for (std::int64_t i0 = 0; i0 < c.seq.q_len[b]; i0 += kBlockQ) tasks.push_back({b, h, i0});
+struct QueryBlock {
+  std::int64_t b, h, i0;
+  int rows, valid_rows;
+  std::int64_t tile;  // block-sparse: the query tile
+};
+struct KeySpan {
+  std::int64_t j0;
+  int cols;
+};
+struct KeyBlock {
+  std::int64_t b, hk, j0;
+  int cols, valid_cols;
+  std::int64_t tile;  // block-sparse: the key tile
+};
+
+// Dense attention: every key, with causal and key/query padding masks.
+struct DensePattern {
+  const AttentionProblem& p;
+  const Sequences& seq;
+  std::vector<std::uint8_t> k_valid, q_valid;
+  bool has_key_mask;
+
+  DensePattern(const AttentionProblem& problem, const Sequences& sequences,
+               const AttentionOptions& o, std::int64_t rows_q)
+      : p(problem), seq(sequences), has_key_mask(o.key_padding_mask.has_value()) {
+    if (!p.varlen) {
+      k_valid = pack_mask(o.key_padding_mask, p.batch, p.seqlen_k);
+      q_valid = pack_mask(o.query_padding_mask, p.batch, p.seqlen_q);
+    } else {
+      q_valid.assign(static_cast<std::size_t>(rows_q), 1);
+    }
+  }
+
+  // Keys [0, key_end) of sequence b are visible to some query of the block [i0, i0 + rows).
+  std::int64_t key_end(std::int64_t b, std::int64_t i0, std::int64_t rows) const {
+    const std::int64_t kl = seq.k_len[b];
+    if (!p.causal) return kl;
+    return std::clamp<std::int64_t>(i0 + rows + kl - seq.q_len[b], 0, kl);
+  }
+
+  QueryBlock query_block(std::int64_t b, std::int64_t h, std::int64_t i0) const {
+    const int rows = static_cast<int>(std::min<std::int64_t>(kBlockQ, seq.q_len[b] - i0));
+    return {b, h, i0, rows, rows, 0};
+  }
+
+  std::vector<QueryBlock> query_blocks() const {
+    std::vector<QueryBlock> blocks;
+    for (std::int64_t b = 0; b < p.batch; ++b)
+      for (std::int64_t h = 0; h < p.heads_q; ++h)
+        for (std::int64_t i0 = 0; i0 < seq.q_len[b]; i0 += kBlockQ)
+          blocks.push_back(query_block(b, h, i0));
+    return blocks;
+  }
+
+  template <class F>
+  void for_each_key_span(const QueryBlock& qb, F&& f) const {
+    const std::int64_t j_end = key_end(qb.b, qb.i0, qb.rows);
+    for (std::int64_t j0 = 0; j0 < j_end; j0 += kBlockK)
+      f(KeySpan{j0, static_cast<int>(std::min<std::int64_t>(kBlockK, seq.k_len[qb.b] - j0))});
+  }
+
+  template <class Acc>
+  void mask(const QueryBlock& qb, int rows, const KeySpan& sp, Acc* S) const {
+    const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
+    const std::int64_t causal_shift = seq.k_len[qb.b] - seq.q_len[qb.b];
+    const std::uint8_t* kv = has_key_mask ? k_valid.data() + seq.k_start[qb.b] + sp.j0 : nullptr;
+    if (!p.causal && !kv) return;
+    for (int r = 0; r < rows; ++r) {
+      Acc* s = S + r * kBlockK;
+      if (p.causal) {
+        const std::int64_t last = qb.i0 + r + causal_shift - sp.j0;  // last visible column
+        for (std::int64_t c = std::max<std::int64_t>(last + 1, 0); c < sp.cols; ++c) s[c] = neg_inf;
+      }
+      if (kv)
+        for (int c = 0; c < sp.cols; ++c)
+          if (!kv[c]) s[c] = neg_inf;
+    }
+  }
+
+  bool query_row_valid(std::int64_t row) const { return q_valid[row] != 0; }
+
+  std::vector<KeyBlock> key_blocks() const {
+    std::vector<KeyBlock> blocks;
+    for (std::int64_t b = 0; b < p.batch; ++b)
+      for (std::int64_t h = 0; h < p.heads_kv; ++h)
+        for (std::int64_t j0 = 0; j0 < seq.k_len[b]; j0 += kBlockK) {
+          const int cols = static_cast<int>(std::min<std::int64_t>(kBlockK, seq.k_len[b] - j0));
+          blocks.push_back({b, h, j0, cols, cols, 0});
+        }
+    return blocks;
+  }
+
+  template <class F>
+  void for_each_query_block(const KeyBlock& kb, F&& f) const {
+    const std::int64_t group = p.heads_q / p.heads_kv;
+    for (std::int64_t h = kb.hk * group; h < (kb.hk + 1) * group; ++h)
+      for (std::int64_t i0 = 0; i0 < seq.q_len[kb.b]; i0 += kBlockQ) {
+        const QueryBlock qb = query_block(kb.b, h, i0);
+        if (key_end(kb.b, i0, qb.rows) <= kb.j0) continue;  // causal: sees none of these keys
+        f(qb, KeySpan{kb.j0, kb.cols});
+      }
+  }
+};
+
+// Block-sparse attention: a query tile visits the key tiles it selected (q2k); a key tile is
+// visited by the query tiles that selected it (k2q). Key slots past a tile's block size are
+// left out of its span rather than masked; zero-size tiles are skipped.
+struct SparsePattern {
+  const BlockSparseProblem& p;
+  std::vector<std::int32_t> q_sizes, kv_sizes;
+  const TensorView& q2k_index;
+  const TensorView& q2k_count;
+  const TensorView* k2q_offsets = nullptr;
+  const TensorView* k2q_index = nullptr;
+  int sub_blocks;  // query blocks per tile (a 256-slot tile is two blocks of 128 rows)
+
+  SparsePattern(const BlockSparseProblem& problem, const BlockSparseOptions& o,
+                const TensorView& idx, const TensorView& cnt, const ArgChecker& check)
+      : p(problem),
+        q_sizes(cpu_vsa::read_block_sizes(check, o.q_block_sizes ? &*o.q_block_sizes : nullptr,
+                                          "q_block_sizes", p.q_tiles, p.tile_volume)),
+        kv_sizes(cpu_vsa::read_block_sizes(check, o.kv_block_sizes ? &*o.kv_block_sizes : nullptr,
+                                           "kv_block_sizes", p.kv_tiles, p.tile_volume)),
+        q2k_index(idx),
+        q2k_count(cnt),
+        sub_blocks(static_cast<int>((p.tile_volume + kBlockQ - 1) / kBlockQ)) {
+    cpu_vsa::check_q2k_index(check, idx, cnt, p.kv_tiles);
+  }
+
+  QueryBlock query_block(std::int64_t b, std::int64_t h, std::int64_t tile, int sub) const {
+    const int rows = static_cast<int>(std::min<std::int64_t>(kBlockQ, p.tile_volume));
+    const int valid = std::clamp(q_sizes[tile] - sub * rows, 0, rows);
+    return {b, h, tile * p.tile_volume + sub * rows, rows, valid, tile};
+  }
+
+  std::vector<QueryBlock> query_blocks() const {
+    std::vector<QueryBlock> blocks;
+    blocks.reserve(static_cast<std::size_t>(p.batch * p.heads_q * p.q_tiles * sub_blocks));
+    for (std::int64_t b = 0; b < p.batch; ++b)
+      for (std::int64_t h = 0; h < p.heads_q; ++h)
+        for (std::int64_t t = 0; t < p.q_tiles; ++t)
+          for (int sub = 0; sub < sub_blocks; ++sub) blocks.push_back(query_block(b, h, t, sub));
+    return blocks;
+  }
+
+  template <class F>
+  void for_each_key_span(const QueryBlock& qb, F&& f) const {
+    const auto* idx = static_cast<const std::int32_t*>(q2k_index.data) +
+                      qb.b * q2k_index.stride[0] + qb.h * q2k_index.stride[1] +
+                      qb.tile * q2k_index.stride[2];
+    const std::int32_t n = static_cast<const std::int32_t*>(q2k_count.data)
+        [qb.b * q2k_count.stride[0] + qb.h * q2k_count.stride[1] + qb.tile * q2k_count.stride[2]];
+    // Consecutive selected tiles are one span while the keys stay contiguous (every tile but
+    // the last of a span is full) and the span fits a key block: fewer, longer products.
+    KeySpan span{0, 0};
+    for (std::int32_t s = 0; s < n; ++s) {
+      const std::int32_t tile = idx[s * q2k_index.stride[3]];
+      const int size = kv_sizes[tile];
+      if (size == 0) continue;
+      const std::int64_t j0 = tile * p.tile_volume;
+      if (span.cols > 0 && span.j0 + span.cols == j0 && span.cols + size <= kBlockK) {
+        span.cols += size;
+        continue;
+      }
+      if (span.cols > 0) f(span);
+      span = KeySpan{j0, size};
+    }
+    if (span.cols > 0) f(span);
+  }
+
+  template <class Acc>
+  void mask(const QueryBlock&, int, const KeySpan&, Acc*) const {}
+
+  bool query_row_valid(std::int64_t) const { return true; }
+
+  std::vector<KeyBlock> key_blocks() const {
+    std::vector<KeyBlock> blocks;
+    for (std::int64_t b = 0; b < p.batch; ++b)
+      for (std::int64_t hk = 0; hk < p.heads_kv; ++hk)
+        for (std::int64_t t = 0; t < p.kv_tiles; ++t)
+          blocks.push_back({b, hk, t * p.tile_volume, static_cast<int>(p.tile_volume),
+                            kv_sizes[t], t});
+    return blocks;
+  }
+
+  template <class F>
+  void for_each_query_block(const KeyBlock& kb, F&& f) const {
+    const KeySpan span{kb.j0, kb.valid_cols};
+    const std::int64_t group = p.heads_q / p.heads_kv;
+    const auto* offsets = static_cast<const std::int32_t*>(k2q_offsets->data);
+    const auto* index = static_cast<const std::int32_t*>(k2q_index->data);
+    for (std::int64_t h = kb.hk * group; h < (kb.hk + 1) * group; ++h) {
+      const std::int64_t ob = kb.b * k2q_offsets->stride[0] + h * k2q_offsets->stride[1];
+      const std::int64_t ib = kb.b * k2q_index->stride[0] + h * k2q_index->stride[1];
+      const std::int32_t begin = offsets[ob + kb.tile * k2q_offsets->stride[2]];
+      const std::int32_t end = offsets[ob + (kb.tile + 1) * k2q_offsets->stride[2]];
+      for (std::int32_t e = begin; e < end; ++e) {
+        const std::int64_t tile = index[ib + e * k2q_index->stride[2]];
+        for (int sub = 0; sub < sub_blocks; ++sub) f(query_block(kb.b, h, tile, sub), span);
+      }
+    }
+  }
+};
+
+// ---- the mainloop -------------------------------------------------------------------------
+
+template <class Acc, class Pattern>
+void forward(const Context<Acc>& c, const Pattern& pattern, bool varlen, const TensorView& out,
+             const TensorView& lse) {
+  const RowLayout out_layout = token_rows(out, varlen);
+  const RowLayout lse_layout = lse_rows(lse, varlen);
+  const std::int64_t Dv = c.head_dim_v;
+  const std::vector<QueryBlock> tasks = pattern.query_blocks();
 
   const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
 #pragma omp parallel num_threads(threads_for(c.threads, tasks.size()))
@@ -320,73 +526,76 @@ void forward(const AttentionProblem& p, const TensorView& qt, const TensorView& 
     std::vector<Acc> S(kBlockQ * kBlockK), acc(kBlockQ * Dv), m(kBlockQ), l(kBlockQ);
 #pragma omp for schedule(dynamic)
     for (std::size_t t = 0; t < tasks.size(); ++t) {
-      const auto [b, h, i0] = tasks[t];
-      const int rows = static_cast<int>(std::min<std::int64_t>(kBlockQ, c.seq.q_len[b] - i0));
+      const QueryBlock& qb = tasks[t];
+      const std::int64_t b = qb.b, h = qb.h, i0 = qb.i0;
+      const int rows = qb.valid_rows;
       std::fill(acc.begin(), acc.end(), Acc(0));
       std::fill(m.begin(), m.end(), neg_inf);
       std::fill(l.begin(), l.end(), Acc(0));
-      const std::int64_t j_end = c.key_end(b, i0, rows);
-      for (std::int64_t j0 = 0; j0 < j_end; j0 += kBlockK) {
-        const int cols = static_cast<int>(std::min<std::int64_t>(kBlockK, c.seq.k_len[b] - j0));
-        c.scores(b, h, i0, rows, j0, cols, S.data());
+      // The span body takes raw pointers and sizes by value, so that the compiler keeps them
+      // in registers across the per-row loops.
+      auto visit_span = [&c, &pattern, &qb, Sp = S.data(), ap = acc.data(), mp = m.data(),
+                         lp = l.data(), rows, Dv, b, h, i0, neg_inf](const KeySpan& sp) {
+        const int cols = sp.cols;
+        c.scores(b, h, i0, rows, sp.j0, cols, Sp);
+        pattern.mask(qb, rows, sp, Sp);
         for (int r = 0; r < rows; ++r) {
-          Acc* s = S.data() + r * kBlockK;
-          const Acc m_new = std::max(m[r], row_max(s, cols));
+          Acc* s = Sp + r * kBlockK;
+          const Acc m_new = std::max(mp[r], row_max(s, cols));
           if (m_new == neg_inf) {  // nothing visible yet: keep the row empty, avoid inf - inf
             std::fill(s, s + cols, Acc(0));
             continue;
           }
           const Acc sum = exp_shift_sum(s, cols, m_new);
-          const Acc alpha = cpu::exp_approx(m[r] - m_new);
+          const Acc alpha = cpu::exp_approx(mp[r] - m_new);
           if (alpha != Acc(1)) {
-            Acc* a = acc.data() + r * Dv;
+            Acc* a = ap + r * Dv;
 #pragma omp simd
             for (std::int64_t d = 0; d < Dv; ++d) a[d] *= alpha;
           }
-          l[r] = l[r] * alpha + sum;
-          m[r] = m_new;
+          lp[r] = lp[r] * alpha + sum;
+          mp[r] = m_new;
         }
-        const Acc* v_block = c.v_rows(c.kv_head(h), c.seq.k_start[b] + j0);
+        const Acc* v_block = c.v_rows(c.kv_head(h), c.seq.k_start[b] + sp.j0);
 #if VIDATTN_CPU_AVX2
         if constexpr (kUseTiles<Acc>)
-          avx2::gemm_nn_acc(rows, static_cast<int>(Dv), cols, S.data(), kBlockK, v_block,
-                            static_cast<int>(Dv), acc.data(), static_cast<int>(Dv));
+          avx2::gemm_nn_acc(rows, static_cast<int>(Dv), cols, Sp, kBlockK, v_block,
+                            static_cast<int>(Dv), ap, static_cast<int>(Dv));
         else
 #endif
-          cpu::gemm_nn<Acc>(rows, static_cast<int>(Dv), cols, S.data(), kBlockK, v_block,
-                            static_cast<int>(Dv), Acc(1), acc.data(), static_cast<int>(Dv));
-      }
-      for (int r = 0; r < rows; ++r) {
+          cpu::gemm_nn<Acc>(rows, static_cast<int>(Dv), cols, Sp, kBlockK, v_block,
+                            static_cast<int>(Dv), Acc(1), ap, static_cast<int>(Dv));
+      };
+      if (rows > 0) pattern.for_each_key_span(qb, visit_span);
+      for (int r = 0; r < qb.rows; ++r) {
         const std::int64_t row = c.seq.q_start[b] + i0 + r;
-        const bool empty = l[r] == Acc(0) || !c.q_valid[row];
-        const Acc inv = empty ? Acc(0) : Acc(1) / l[r];
-        if (empty) std::fill(acc.begin() + r * Dv, acc.begin() + (r + 1) * Dv, Acc(0));
-        store_row<Acc>(out, out_layout.offset(row, h), acc.data() + r * Dv, Dv, inv);
-        store_scalar(lse, lse_layout.offset(row, h),
-                     empty ? -std::numeric_limits<double>::infinity()
-                           : double(m[r] + std::log(l[r])));
+        const bool empty = r >= rows || l[r] == Acc(0) || !pattern.query_row_valid(row);
+        if (empty) {
+          store_zero_row(out, out_layout.offset(row, h), Dv);
+          store_scalar(lse, lse_layout.offset(row, h), -std::numeric_limits<double>::infinity());
+          continue;
+        }
+        store_row<Acc>(out, out_layout.offset(row, h), acc.data() + r * Dv, Dv, Acc(1) / l[r]);
+        store_scalar(lse, lse_layout.offset(row, h), double(m[r] + std::log(l[r])));
       }
     }
   }
 }
 
-template <class Acc>
-void backward(const AttentionProblem& p, const TensorView& qt, const TensorView& kt,
-              const TensorView& vt, const TensorView& out, const TensorView& lse_t,
-              const TensorView& grad_out, const TensorView& dq, const TensorView& dk,
-              const TensorView& dv, const AttentionOptions& o, const ArgChecker& check) {
-  const Context<Acc> c(p, qt, kt, vt, o, check);
-  const std::int64_t D = p.head_dim, Dv = p.head_dim_v, Hq = p.heads_q;
-  const std::int64_t group = p.heads_q / p.heads_kv;
-  const Acc scale = static_cast<Acc>(p.scale);
+template <class Acc, class Pattern>
+void backward(const Context<Acc>& c, const Pattern& pattern, bool varlen, double softmax_scale,
+              const TensorView& out, const TensorView& lse_t, const TensorView& grad_out,
+              const TensorView& dq, const TensorView& dk, const TensorView& dv) {
+  const std::int64_t D = c.head_dim, Dv = c.head_dim_v, Hq = c.heads_q;
+  const Acc scale = static_cast<Acc>(softmax_scale);
   const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
 
   // Per query row: dO packed, delta = rowsum(dO * O), and the forward's LSE (-inf marks a
   // row with no visible key, or a padded query: such rows get P = 0).
-  const std::vector<Acc> dout = pack<Acc>(grad_out, p.varlen, c.rows_q, Hq, Dv, c.threads);
-  const std::vector<Acc> o_packed = pack<Acc>(out, p.varlen, c.rows_q, Hq, Dv, c.threads);
+  const std::vector<Acc> dout = pack<Acc>(grad_out, varlen, c.rows_q, Hq, Dv, c.threads);
+  const std::vector<Acc> o_packed = pack<Acc>(out, varlen, c.rows_q, Hq, Dv, c.threads);
   std::vector<Acc> delta(static_cast<std::size_t>(Hq * c.rows_q)), lse(delta.size());
-  const RowLayout lse_layout = lse_rows(lse_t, p.varlen);
+  const RowLayout lse_layout = lse_rows(lse_t, varlen);
 #pragma omp parallel for num_threads(c.threads) schedule(static) \
     if (Hq * c.rows_q * Dv >= kMinParallelElements)
   for (std::int64_t hr = 0; hr < Hq * c.rows_q; ++hr) {
@@ -398,16 +607,19 @@ void backward(const AttentionProblem& p, const TensorView& qt, const TensorView&
     const Acc value = lse_t.dtype == DType::kFloat64
                           ? Acc(static_cast<const double*>(lse_t.data)[off])
                           : Acc(static_cast<const float*>(lse_t.data)[off]);
-    lse[hr] = c.q_valid[r] ? value : neg_inf;
+    lse[hr] = pattern.query_row_valid(r) ? value : neg_inf;
   }
 
   // P = exp(S - lse) and dS = P * (dO V^T - delta) of one block, in place in S and dP.
-  auto probs_and_dscores = [&](std::int64_t b, std::int64_t h, std::int64_t i0, int rows,
-                               std::int64_t j0, int cols, Acc* S, Acc* dP) {
-    c.scores(b, h, i0, rows, j0, cols, S);
-    const std::int64_t row0 = h * c.rows_q + c.seq.q_start[b] + i0;
+  auto probs_and_dscores = [&](const QueryBlock& qb, int rows, const KeySpan& sp, Acc* S,
+                               Acc* dP) {
+    const std::int64_t b = qb.b, h = qb.h;
+    const int cols = sp.cols;
+    c.scores(b, h, qb.i0, rows, sp.j0, cols, S);
+    pattern.mask(qb, rows, sp, S);
+    const std::int64_t row0 = h * c.rows_q + c.seq.q_start[b] + qb.i0;
     cpu::gemm_nt<Acc>(rows, cols, static_cast<int>(Dv), dout.data() + row0 * Dv,
-                      static_cast<int>(Dv), c.v_rows(c.kv_head(h), c.seq.k_start[b] + j0),
+                      static_cast<int>(Dv), c.v_rows(c.kv_head(h), c.seq.k_start[b] + sp.j0),
                       static_cast<int>(Dv), Acc(0), dP, kBlockK);
     for (int r = 0; r < rows; ++r) {
       Acc* s = S + r * kBlockK;
@@ -426,75 +638,125 @@ void backward(const AttentionProblem& p, const TensorView& qt, const TensorView&
     }
   };
 
-  const RowLayout dq_layout = token_rows(dq, p.varlen);
-  const RowLayout dk_layout = token_rows(dk, p.varlen);
-  const RowLayout dv_layout = token_rows(dv, p.varlen);
-  struct Task { std::int64_t b, h, start; };
+  const RowLayout dq_layout = token_rows(dq, varlen);
+  const RowLayout dk_layout = token_rows(dk, varlen);
+  const RowLayout dv_layout = token_rows(dv, varlen);
 
-  // Pass 1: dK and dV, one task per (sequence, kv head, key block).
-  std::vector<Task> kv_tasks;
-  for (std::int64_t b = 0; b < p.batch; ++b)
-    for (std::int64_t h = 0; h < p.heads_kv; ++h)
-      for (std::int64_t j0 = 0; j0 < c.seq.k_len[b]; j0 += kBlockK) kv_tasks.push_back({b, h, j0});
+  // Pass 1: dK and dV, one task per key block.
+  const std::vector<KeyBlock> kv_tasks = pattern.key_blocks();
 #pragma omp parallel num_threads(threads_for(c.threads, kv_tasks.size()))
   {
     std::vector<Acc> S(kBlockQ * kBlockK), dP(kBlockQ * kBlockK);
     std::vector<Acc> dk_acc(kBlockK * D), dv_acc(kBlockK * Dv);
 #pragma omp for schedule(dynamic)
     for (std::size_t t = 0; t < kv_tasks.size(); ++t) {
-      const auto [b, hk, j0] = kv_tasks[t];
-      const int cols = static_cast<int>(std::min<std::int64_t>(kBlockK, c.seq.k_len[b] - j0));
+      const KeyBlock& kb = kv_tasks[t];
       std::fill(dk_acc.begin(), dk_acc.end(), Acc(0));
       std::fill(dv_acc.begin(), dv_acc.end(), Acc(0));
-      for (std::int64_t h = hk * group; h < (hk + 1) * group; ++h)
-        for (std::int64_t i0 = 0; i0 < c.seq.q_len[b]; i0 += kBlockQ) {
-          const int rows = static_cast<int>(std::min<std::int64_t>(kBlockQ, c.seq.q_len[b] - i0));
-          if (c.key_end(b, i0, rows) <= j0) continue;  // causal: the block sees none of these keys
-          probs_and_dscores(b, h, i0, rows, j0, cols, S.data(), dP.data());
-          const std::int64_t row0 = h * c.rows_q + c.seq.q_start[b] + i0;
-          cpu::gemm_tn<Acc>(cols, static_cast<int>(Dv), rows, S.data(), kBlockK,
+      if (kb.valid_cols > 0)
+        pattern.for_each_query_block(kb, [&](const QueryBlock& qb, const KeySpan& sp) {
+          const int rows = qb.valid_rows;
+          if (rows == 0) return;
+          probs_and_dscores(qb, rows, sp, S.data(), dP.data());
+          const std::int64_t row0 = qb.h * c.rows_q + c.seq.q_start[qb.b] + qb.i0;
+          cpu::gemm_tn<Acc>(sp.cols, static_cast<int>(Dv), rows, S.data(), kBlockK,
                             dout.data() + row0 * Dv, static_cast<int>(Dv), Acc(1),
                             dv_acc.data(), static_cast<int>(Dv));
-          cpu::gemm_tn<Acc>(cols, static_cast<int>(D), rows, dP.data(), kBlockK,
-                            c.q_rows(h, c.seq.q_start[b] + i0), static_cast<int>(D), Acc(1),
-                            dk_acc.data(), static_cast<int>(D));
+          cpu::gemm_tn<Acc>(sp.cols, static_cast<int>(D), rows, dP.data(), kBlockK,
+                            c.q_rows(qb.h, c.seq.q_start[qb.b] + qb.i0), static_cast<int>(D),
+                            Acc(1), dk_acc.data(), static_cast<int>(D));
+        });
+      for (int x = 0; x < kb.cols; ++x) {
+        const std::int64_t row = c.seq.k_start[kb.b] + kb.j0 + x;
+        if (x >= kb.valid_cols) {  // padded key slot: never attended
+          store_zero_row(dk, dk_layout.offset(row, kb.hk), D);
+          store_zero_row(dv, dv_layout.offset(row, kb.hk), Dv);
+          continue;
         }
-      for (int x = 0; x < cols; ++x) {
-        const std::int64_t row = c.seq.k_start[b] + j0 + x;
         // dK = scale * dS^T Q: the scale is already in the packed q.
-        store_row<Acc>(dk, dk_layout.offset(row, hk), dk_acc.data() + x * D, D, Acc(1));
-        store_row<Acc>(dv, dv_layout.offset(row, hk), dv_acc.data() + x * Dv, Dv, Acc(1));
+        store_row<Acc>(dk, dk_layout.offset(row, kb.hk), dk_acc.data() + x * D, D, Acc(1));
+        store_row<Acc>(dv, dv_layout.offset(row, kb.hk), dv_acc.data() + x * Dv, Dv, Acc(1));
       }
     }
   }
 
-  // Pass 2: dQ, one task per (sequence, q head, query block).
-  std::vector<Task> q_tasks;
-  for (std::int64_t b = 0; b < p.batch; ++b)
-    for (std::int64_t h = 0; h < Hq; ++h)
-      for (std::int64_t i0 = 0; i0 < c.seq.q_len[b]; i0 += kBlockQ) q_tasks.push_back({b, h, i0});
+  // Pass 2: dQ, one task per query block.
+  const std::vector<QueryBlock> q_tasks = pattern.query_blocks();
 #pragma omp parallel num_threads(threads_for(c.threads, q_tasks.size()))
   {
     std::vector<Acc> S(kBlockQ * kBlockK), dP(kBlockQ * kBlockK), dq_acc(kBlockQ * D);
 #pragma omp for schedule(dynamic)
     for (std::size_t t = 0; t < q_tasks.size(); ++t) {
-      const auto [b, h, i0] = q_tasks[t];
-      const int rows = static_cast<int>(std::min<std::int64_t>(kBlockQ, c.seq.q_len[b] - i0));
+      const QueryBlock& qb = q_tasks[t];
+      const int rows = qb.valid_rows;
       std::fill(dq_acc.begin(), dq_acc.end(), Acc(0));
-      const std::int64_t j_end = c.key_end(b, i0, rows);
-      for (std::int64_t j0 = 0; j0 < j_end; j0 += kBlockK) {
-        const int cols = static_cast<int>(std::min<std::int64_t>(kBlockK, c.seq.k_len[b] - j0));
-        probs_and_dscores(b, h, i0, rows, j0, cols, S.data(), dP.data());
-        cpu::gemm_nn<Acc>(rows, static_cast<int>(D), cols, dP.data(), kBlockK,
-                          c.k_rows(c.kv_head(h), c.seq.k_start[b] + j0), static_cast<int>(D),
-                          Acc(1), dq_acc.data(), static_cast<int>(D));
-      }
-      for (int r = 0; r < rows; ++r) {
-        const std::int64_t row = c.seq.q_start[b] + i0 + r;
-        store_row<Acc>(dq, dq_layout.offset(row, h), dq_acc.data() + r * D, D, scale);
+      if (rows > 0)
+        pattern.for_each_key_span(qb, [&](const KeySpan& sp) {
+          probs_and_dscores(qb, rows, sp, S.data(), dP.data());
+          cpu::gemm_nn<Acc>(rows, static_cast<int>(D), sp.cols, dP.data(), kBlockK,
+                            c.k_rows(c.kv_head(qb.h), c.seq.k_start[qb.b] + sp.j0),
+                            static_cast<int>(D), Acc(1), dq_acc.data(), static_cast<int>(D));
+        });
+      for (int r = 0; r < qb.rows; ++r) {
+        const std::int64_t row = c.seq.q_start[qb.b] + qb.i0 + r;
+        if (r >= rows)
+          store_zero_row(dq, dq_layout.offset(row, qb.h), D);
+        else
+          store_row<Acc>(dq, dq_layout.offset(row, qb.h), dq_acc.data() + r * D, D, scale);
       }
     }
   }
+}
+
+// Dispatches on the accumulator type: double for float64 inputs, float otherwise.
+template <class Fn>
+void with_accumulator(DType dtype, Fn&& fn) {
+  if (dtype == DType::kFloat64)
+    fn(double{});
+  else
+    fn(float{});
+}
+
+// A block-sparse call is a batched call: sequence b owns rows b * S .. (b + 1) * S.
+Sequences batch_sequences(std::int64_t batch, std::int64_t seqlen_q, std::int64_t seqlen_k) {
+  Sequences s;
+  for (std::int64_t b = 0; b < batch; ++b) {
+    s.q_start.push_back(b * seqlen_q), s.q_len.push_back(seqlen_q);
+    s.k_start.push_back(b * seqlen_k), s.k_len.push_back(seqlen_k);
+  }
+  return s;
+}
+
+// The k2q index must describe the q2k selection it came with (block_sparse_transpose_index).
+void check_k2q_index(const ArgChecker& check, const BlockSparseProblem& p,
+                     const TensorView& q2k_count, const TensorView& k2q_offsets,
+                     const TensorView& k2q_index) {
+  for (std::int64_t b = 0; b < p.batch; ++b)
+    for (std::int64_t h = 0; h < p.heads_q; ++h) {
+      const auto* off = static_cast<const std::int32_t*>(k2q_offsets.data) +
+                        b * k2q_offsets.stride[0] + h * k2q_offsets.stride[1];
+      std::int64_t total = 0;
+      for (std::int64_t t = 0; t < p.q_tiles; ++t)
+        total += static_cast<const std::int32_t*>(q2k_count.data)
+            [b * q2k_count.stride[0] + h * q2k_count.stride[1] + t * q2k_count.stride[2]];
+      std::int32_t prev = 0;
+      for (std::int64_t j = 0; j <= p.kv_tiles; ++j) {
+        const std::int32_t x = off[j * k2q_offsets.stride[2]];
+        if (x < prev || (j == 0 && x != 0))
+          check.fail("k2q_offsets[", b, ", ", h, "] must start at 0 and be non-decreasing");
+        prev = x;
+      }
+      if (prev != total)
+        check.fail("k2q_offsets[", b, ", ", h, "] ends at ", prev, " but q2k_count sums to ",
+                   total, "; build it with block_sparse_transpose_index");
+      for (std::int64_t e = 0; e < total; ++e) {
+        const std::int32_t t = static_cast<const std::int32_t*>(k2q_index.data)
+            [b * k2q_index.stride[0] + h * k2q_index.stride[1] + e * k2q_index.stride[2]];
+        if (t < 0 || t >= p.q_tiles)
+          check.fail("k2q_index[", b, ", ", h, ", ", e, "] is ", t, ", out of range for ",
+                     p.q_tiles, " query tiles");
+      }
+    }
 }
 
 }  // namespace
@@ -504,10 +766,12 @@ void cpu_attention_forward(const AttentionProblem& p, const TensorView& q, const
                            const AttentionOptions& options) {
   const ArgChecker check("vidattn::attention_forward");
   cpu::blas_use_one_thread();
-  if (p.dtype == DType::kFloat64)
-    forward<double>(p, q, k, v, out, lse, options, check);
-  else
-    forward<float>(p, q, k, v, out, lse, options, check);
+  with_accumulator(p.dtype, [&](auto acc) {
+    using Acc = decltype(acc);
+    const Context<Acc> c(resolve_sequences(check, p, q, k, options), q, k, v, p.varlen, p.scale,
+                         options.num_threads);
+    forward(c, DensePattern(p, c.seq, options, c.rows_q), p.varlen, out, lse);
+  });
 }
 
 void cpu_attention_backward(const AttentionProblem& p, const TensorView& q,
@@ -517,10 +781,50 @@ void cpu_attention_backward(const AttentionProblem& p, const TensorView& q,
                             const AttentionOptions& options) {
   const ArgChecker check("vidattn::attention_backward");
   cpu::blas_use_one_thread();
-  if (p.dtype == DType::kFloat64)
-    backward<double>(p, q, k, v, out, lse, grad_out, dq, dk, dv, options, check);
-  else
-    backward<float>(p, q, k, v, out, lse, grad_out, dq, dk, dv, options, check);
+  with_accumulator(p.dtype, [&](auto acc) {
+    using Acc = decltype(acc);
+    const Context<Acc> c(resolve_sequences(check, p, q, k, options), q, k, v, p.varlen, p.scale,
+                         options.num_threads);
+    backward(c, DensePattern(p, c.seq, options, c.rows_q), p.varlen, p.scale, out, lse,
+             grad_out, dq, dk, dv);
+  });
+}
+
+void cpu_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
+                              const TensorView& k, const TensorView& v,
+                              const TensorView& q2k_index, const TensorView& q2k_count,
+                              const TensorView& out, const TensorView& lse,
+                              const BlockSparseOptions& o) {
+  const ArgChecker check("vidattn::block_sparse_attention_forward");
+  cpu::blas_use_one_thread();
+  const SparsePattern pattern(p, o, q2k_index, q2k_count, check);
+  with_accumulator(p.dtype, [&](auto acc) {
+    using Acc = decltype(acc);
+    const Context<Acc> c(batch_sequences(p.batch, p.seqlen_q, p.seqlen_k), q, k, v, false,
+                         p.scale, o.num_threads);
+    forward(c, pattern, false, out, lse);
+  });
+}
+
+void cpu_block_sparse_backward(const BlockSparseProblem& p, const TensorView& q,
+                               const TensorView& k, const TensorView& v, const TensorView& out,
+                               const TensorView& lse, const TensorView& grad_out,
+                               const TensorView& q2k_index, const TensorView& q2k_count,
+                               const TensorView& k2q_offsets, const TensorView& k2q_index,
+                               const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                               const BlockSparseOptions& o) {
+  const ArgChecker check("vidattn::block_sparse_attention_backward");
+  cpu::blas_use_one_thread();
+  SparsePattern pattern(p, o, q2k_index, q2k_count, check);
+  check_k2q_index(check, p, q2k_count, k2q_offsets, k2q_index);
+  pattern.k2q_offsets = &k2q_offsets;
+  pattern.k2q_index = &k2q_index;
+  with_accumulator(p.dtype, [&](auto acc) {
+    using Acc = decltype(acc);
+    const Context<Acc> c(batch_sequences(p.batch, p.seqlen_q, p.seqlen_k), q, k, v, false,
+                         p.scale, o.num_threads);
+    backward(c, pattern, false, p.scale, out, lse, grad_out, dq, dk, dv);
+  });
 }
 
 }  // namespace vidattn::detail

@@ -1,0 +1,41 @@
+// VSA backend entry points. They receive calls that src/core/vsa.cpp has validated (shapes,
+// dtypes, devices); checks that need tensor data (index ranges) are the backends' job.
+#pragma once
+
+#include "vidattn/vsa.h"
+
+namespace vidattn::detail {
+
+void cpu_tiling_metadata(const TilingLayout& layout, const TensorView& block_sizes,
+                         const TensorView& slot_to_token, const TensorView& token_to_slot,
+                         const TensorView& cu_tiles, const TensorView& cu_tokens);
+void cpu_gather_tokens(const TensorView& x, const TensorView& index, const TensorView& out,
+                       int num_threads);
+void cpu_tile_mean_pool(const TensorView& x, const TensorView& block_sizes,
+                        std::int64_t tile_volume, const TensorView& out, int num_threads);
+void cpu_tile_mean_pool_backward(const TensorView& grad_out, const TensorView& block_sizes,
+                                 std::int64_t tile_volume, const TensorView& grad_x,
+                                 int num_threads);
+void cpu_select_topk_tiles(const TensorView& q_pooled, const TensorView& k_pooled,
+                           const TopkOptions& options, double scale, const TensorView& q2k_index,
+                           const TensorView& q2k_count);
+void cpu_topk_tiles_from_scores(const TensorView& scores, std::int64_t topk,
+                                const TensorView& q2k_index, const TensorView& q2k_count,
+                                int num_threads);
+void cpu_block_sparse_transpose_index(const TensorView& q2k_index, const TensorView& q2k_count,
+                                      std::int64_t num_kv_tiles, const TensorView& k2q_offsets,
+                                      const TensorView& k2q_index, int num_threads);
+void cpu_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
+                              const TensorView& k, const TensorView& v,
+                              const TensorView& q2k_index, const TensorView& q2k_count,
+                              const TensorView& out, const TensorView& lse,
+                              const BlockSparseOptions& options);
+void cpu_block_sparse_backward(const BlockSparseProblem& p, const TensorView& q,
+                               const TensorView& k, const TensorView& v, const TensorView& out,
+                               const TensorView& lse, const TensorView& grad_out,
+                               const TensorView& q2k_index, const TensorView& q2k_count,
+                               const TensorView& k2q_offsets, const TensorView& k2q_index,
+                               const TensorView& dq, const TensorView& dk, const TensorView& dv,
+                               const BlockSparseOptions& options);
+
+}  // namespace vidattn::detail
