@@ -178,6 +178,27 @@ class Bench:
         return {"case": case, "direction": direction, "time_1gpu_ms": one_gpu,
                 "time_2gpu_ms": t2, "efficiency": one_gpu / (2 * t2)}
 
+    def unsupported(self, case):
+        """None when this build runs `case` at this dtype / head dim on the device, else the
+        reason. Probed on a tiny local problem by every rank (no collective), then agreed on,
+        so no rank waits in a collective for one that failed."""
+        reason = None
+        try:
+            gen = torch.Generator().manual_seed(1)
+            x = torch.randn(1, 64, 1, self.args.head_dim, generator=gen).to(self.device, self.dtype)
+            if case == "dense":
+                vidattn.attention(x, x, x)
+            else:
+                tiling = vidattn.VideoTiling(grid=(4, 4, 4), tile=(4, 4, 4), device=self.device)
+                vidattn.video_sparse_attention(x, x, x, tiling=tiling, topk=1, gate=x)
+        except (NotImplementedError, AttributeError) as e:
+            reason = f"{type(e).__name__}: {e}"
+        flag = torch.tensor([0.0 if reason else 1.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if flag.item() == 0.0 and reason is None:
+            reason = "not supported on the other rank"
+        return reason
+
     # -- parity and compile ----------------------------------------------------------------
     def run_layer(self, layer, case, sharded):
         xs, kwargs = self.inputs(case, sharded, True)
@@ -227,6 +248,12 @@ def main(argv=None):
                             "rope": not args.no_rope, "vsa_sparsity": args.sparsity,
                             "vsa_tile": args.tile},
                   "checks": [], "rows": []}
+        skipped = {case: bench.unsupported(case) for case in cases}
+        report["skipped"] = {case: why for case, why in skipped.items() if why}
+        if bench.rank == 0:
+            for case, why in report["skipped"].items():
+                print(f"{case}: skipped ({why})", flush=True)
+        cases = [case for case in cases if not skipped[case]]
         if args.check:
             for case in cases:
                 report["checks"].append(bench.check(case))
