@@ -226,8 +226,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
                          .typed<decltype(attention_backward_kernel)>();
     const auto saved = ctx->get_saved_variables();
     const Tensor& out = saved[3];
-    Tensor grad = grads[0].defined() ? grads[0] : at::zeros_like(out);
-    if (grad.dim() > 0 && grad.stride(-1) != 1) grad = grad.contiguous();
+    const Tensor grad = unit_stride_grad(grads[0].defined() ? grads[0] : at::zeros_like(out));
     const auto& d = ctx->saved_data;
     auto [dq, dk, dv] = op.call(
         grad, saved[0], saved[1], saved[2], out, saved[4], d.at("scale").toOptional<double>(),

@@ -61,6 +61,14 @@ inline std::optional<TensorView> view_of(const std::optional<at::Tensor>& t, con
   return view_of(*t, fn, name);
 }
 
+// A gradient the kernels can take: they need a unit-stride last dimension, an expanded
+// gradient (from .sum()) has stride 0 there, and contiguous() leaves an empty tensor's
+// strides as they are. Symbolic sizes pass (this runs under torch.compile's tracing too).
+inline at::Tensor unit_stride_grad(const at::Tensor& grad) {
+  if (grad.sym_numel() == 0) return at::empty_symint(grad.sym_sizes(), grad.options());
+  return grad.sym_stride(-1) == 1 ? grad : grad.contiguous();
+}
+
 // Runs f, turning vidattn's exceptions into the PyTorch ones Python maps to ValueError,
 // TypeError and NotImplementedError.
 template <class F>

@@ -37,14 +37,6 @@ void require_int32(const OptTensor& t, const char* fn, const char* name) {
   if (t && t->defined()) require_int32(*t, fn, name);
 }
 
-// A gradient the kernels can take: unit stride in the last dimension (expanded gradients,
-// e.g. of a sum, have stride 0; an empty one may keep any strides).
-// Symbolic-size friendly: traced backward graphs call this with symbolic tensors.
-Tensor unit_stride_grad(const Tensor& grad) {
-  if (grad.sym_numel() == 0) return at::empty_symint(grad.sym_sizes(), grad.options());
-  return grad.sym_stride(-1) == 1 ? grad : grad.contiguous();
-}
-
 Tensor int32_empty(c10::SymIntArrayRef shape, const Tensor& like) {
   return at::empty_symint(shape, like.options().dtype(at::kInt));
 }

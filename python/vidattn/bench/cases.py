@@ -45,6 +45,7 @@ class Impl:
     name = ""
     backend = ""  # what actually runs, for the JSON
     is_ours = False
+    reference_kind = ""  # which of its case's float64 references this computes ("": the one)
 
     def skip_reason(self, device: torch.device, dtype: torch.dtype, shape: Shape) -> Optional[str]:
         return None
@@ -60,6 +61,11 @@ class Case:
     name = ""
     impls: Sequence[Impl] = ()
     peer_order: Sequence[str] = ()
+    directions: Sequence[str] = ("fwd", "bwd")  # the directions this case can check
+
+    def accepts(self, shape: Shape) -> bool:
+        """Whether ``shape`` is a problem of this case (dense shapes vs video grids)."""
+        return shape.grid is None
 
     def forward_flops(self, shape: Shape) -> float:
         raise NotImplementedError
@@ -72,7 +78,8 @@ class Case:
         """A random gradient for the output (never zeros)."""
         raise NotImplementedError
 
-    def reference_forward(self, inputs, scope: RefScope) -> tuple[torch.Tensor, ...]:
+    def reference_forward(self, inputs, scope: RefScope,
+                          kind: str = "") -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
     def reference_backward(self, inputs, grad_out: torch.Tensor,
@@ -161,7 +168,7 @@ class DenseCase(Case):
         return torch.randn(q.shape, device=q.device, generator=generator,
                            dtype=torch.float32).to(q.dtype)
 
-    def reference_forward(self, inputs: DenseInputs, scope: RefScope):
+    def reference_forward(self, inputs: DenseInputs, scope: RefScope, kind: str = ""):
         out, _ = reference.attention_forward(
             scope.take(inputs.q), scope.take(inputs.k), scope.take(inputs.v),
             scale=inputs.scale, causal=inputs.causal)
@@ -173,9 +180,14 @@ class DenseCase(Case):
             scope.take(grad_out), scale=inputs.scale, causal=inputs.causal)
 
 
-def cases_for(device: torch.device, names: Sequence[str] = ("dense",)) -> list[Case]:
+CASE_NAMES = ("dense", "vsa")
+
+
+def cases_for(device: torch.device, names: Sequence[str] = CASE_NAMES) -> list[Case]:
     """The cases named, with the implementations that exist on ``device``."""
-    available = {}
+    from .vsa_case import vsa_case
+
+    available = {"vsa": vsa_case(device)}
     if device.type == "cuda":
         # targets.md measures against cuDNN first; FA2 and the default dispatch for context.
         available["dense"] = DenseCase(

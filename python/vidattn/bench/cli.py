@@ -39,7 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "on CPU, video on CUDA")
     p.add_argument("--directions", type=_csv, default=None,
                    help="comma list of fwd, bwd (default: the preset's, usually both)")
-    p.add_argument("--cases", type=_csv, default=["dense"], help="comma list (default: dense)")
+    p.add_argument("--cases", type=_csv, default=list(cases_mod.CASE_NAMES),
+                   help="comma list of dense, vsa (default: both; each runs the shapes of its "
+                        "kind: plain lengths for dense, video grids for vsa)")
+    p.add_argument("--draw-selection", type=Path, default=None, metavar="PNG",
+                   help="also draw the key tiles VSA selects for each query tile (batch 0, "
+                        "head 0) on the first video shape, to this PNG")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed runs per row (default: CPU adapts to ~0.5 s a row group, 3-50 "
                         "runs (7+ for cpu-4k); CUDA uses do_bench's own count, or CUDA "
@@ -138,6 +143,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(report.format_notes(rows, meta))
     report.write_json(out, meta, rows)
     print(f"wrote {out}")
+    if args.draw_selection is not None:
+        from .vsa_case import draw_selection
+
+        videos = [shape for shape in preset.shapes if shape.grid is not None]
+        if not videos:
+            parser.error("--draw-selection needs a video shape (e.g. --shapes vsa-cpu)")
+        draw_selection(videos[0], args.draw_selection, device, seed=args.seed)
+        print(f"wrote {args.draw_selection}")
     if not args.no_plot:
         from .plot import write_plot
 

@@ -50,6 +50,10 @@ class RefScope:
         """The covered part of a ``[B, S, H, ...]`` tensor."""
         return t[: self.batches, :, : self.heads]
 
+    def take_bh(self, t: torch.Tensor) -> torch.Tensor:
+        """The covered part of a ``[B, H, ...]`` tensor."""
+        return t[: self.batches, : self.heads]
+
 
 def choose_scope(shape: Shape, direction: str, device_type: str,
                  max_heads: Optional[int] = None) -> RefScope:

@@ -1,6 +1,7 @@
 """Problem sizes and the named presets of ``--shapes``."""
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -18,21 +19,42 @@ class Shape:
     head_dim: int
     causal: bool = False
     name: str = ""  # model it comes from, if any (e.g. "Wan2.1-14B 720p")
+    # Video sparse attention problems: the token grid (T, H, W), the tile and the sparsity;
+    # q_len = kv_len is then the tiled (padded) length.
+    grid: Optional[tuple[int, int, int]] = None
+    tile: tuple[int, int, int] = (4, 4, 4)
+    sparsity: Optional[float] = None
 
     @property
     def label(self) -> str:
+        if self.grid is not None:
+            t, h, w = self.grid
+            return (f"B{self.batch} H{self.heads} {t}x{h}x{w} S{self.q_len} D{self.head_dim} "
+                    f"s{self.sparsity:g}")
         kv = f"k{self.kv_len}" if self.kv_len != self.q_len else ""
         return (f"B{self.batch} H{self.heads} S{self.q_len}{kv} D{self.head_dim}"
                 + (" causal" if self.causal else ""))
 
     def to_json(self) -> dict:
-        return {"batch": self.batch, "heads": self.heads, "q_len": self.q_len,
-                "kv_len": self.kv_len, "head_dim": self.head_dim, "causal": self.causal,
-                "name": self.name}
+        out = {"batch": self.batch, "heads": self.heads, "q_len": self.q_len,
+               "kv_len": self.kv_len, "head_dim": self.head_dim, "causal": self.causal,
+               "name": self.name}
+        if self.grid is not None:
+            out.update(grid=list(self.grid), tile=list(self.tile), sparsity=self.sparsity)
+        return out
 
 
 def dense(batch: int, heads: int, seq: int, head_dim: int, name: str = "") -> Shape:
     return Shape(batch, heads, seq, seq, head_dim, name=name)
+
+
+def vsa(batch: int, heads: int, grid: tuple[int, int, int], head_dim: int, sparsity: float,
+        name: str = "", tile: tuple[int, int, int] = (4, 4, 4)) -> Shape:
+    """A video of ``grid`` tokens in the tiled layout of ``tile`` (vsa.md section 1)."""
+    tiles = math.prod(-(-g // t) for g, t in zip(grid, tile))
+    padded = tiles * math.prod(tile)
+    return Shape(batch, heads, padded, padded, head_dim, name=name, grid=tuple(grid),
+                 tile=tuple(tile), sparsity=sparsity)
 
 
 @dataclass(frozen=True)
@@ -46,8 +68,20 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     "tiny": Preset((dense(1, 2, 128, 32),), about="seconds; for tests"),
-    "quick": Preset((dense(1, 4, 1024, 64), dense(1, 4, 1024, 128)),
+    "tiny-vsa": Preset((vsa(1, 2, (5, 7, 9), 32, 0.75),), directions=("fwd",),
+                       about="seconds; for tests of the vsa case"),
+    "quick": Preset((dense(1, 4, 1024, 64), dense(1, 4, 1024, 128),
+                     vsa(1, 2, (8, 16, 24), 64, 0.9, "small video")),
                     about="the CPU default: small, forward and backward"),
+    # VSA against dense attention on the same tiled tensors (vsa.md): a Wan-480p-like grid
+    # (21 x 30 x 52) with fewer frames, so that dense attention takes seconds on a CPU.
+    "vsa-cpu": Preset((vsa(1, 2, (12, 30, 52), 64, 0.9, "Wan-like grid, CPU scale"),),
+                      directions=("fwd",), dtypes=("fp32", "bf16"),
+                      about="VSA vs dense on the CPU at sparsity 0.9 (forward)"),
+    "vsa-video": Preset((vsa(1, 12, (21, 30, 52), 128, 0.9, "Wan2.1-1.3B 480p"),
+                         vsa(1, 40, (21, 45, 80), 128, 0.9, "Wan2.1-14B 720p")),
+                        directions=("fwd",),
+                        about="VSA vs dense at the Wan shapes of vsa.md (GPU)"),
     "cpu-4k": Preset((dense(1, 4, 4096, 64), dense(1, 4, 4096, 128)), directions=("fwd",),
                      dtypes=("fp32", "bf16"), cpu_min_repeats=7,
                      about="the CPU acceptance measurement (targets.md): forward, fp32 and bf16"),

@@ -1,0 +1,196 @@
+"""The VSA case: the whole Video Sparse Attention op against dense attention on the same
+tiled tensors (vsa.md). Forward only: the float64 reference of the VSA backward would need the
+full score matrix in memory.
+
+Rows: ``vidattn-vsa`` (pool + coarse attention + top-k + block-sparse fine attention +
+combine), ``vidattn-dense`` (dense attention over the video's tokens: the pad slots masked as
+keys and zeroed as queries) and, on CUDA, ``sdpa-cudnn`` on the same padded tensors (what
+targets.md compares the whole VSA op with). TFLOP/s counts dense-equivalent FLOPs over the
+padded length for every row, so the x-peer column is the speedup over dense.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+
+from . import reference
+from .cases import Case, Impl, SdpaDense
+from .reference import RefScope
+from .shapes import Shape
+
+
+@dataclass(frozen=True)
+class VsaInputs:
+    q: torch.Tensor  # tiled [B, padded_len, H, D], zeros in pad slots
+    k: torch.Tensor
+    v: torch.Tensor
+    tiling: object   # vidattn.VideoTiling
+    sparsity: float
+    scale: Optional[float] = None
+    causal: bool = False  # for the dense peers' code path
+
+    def differentiable(self):
+        return self.q, self.k, self.v
+
+    def requiring_grad(self) -> "VsaInputs":
+        return replace(self, q=self.q.detach().requires_grad_(),
+                       k=self.k.detach().requires_grad_(), v=self.v.detach().requires_grad_())
+
+    def slot_mask(self) -> torch.Tensor:
+        """bool [B, padded_len]: True where a slot holds a token."""
+        return self.tiling.slot_valid[None, :].expand(self.q.shape[0], -1)
+
+
+class VidattnVsa(Impl):
+    name, backend, is_ours = "vidattn-vsa", "vidattn.video_sparse_attention", True
+    reference_kind = "vsa"
+
+    def forward(self, inputs: VsaInputs) -> torch.Tensor:
+        import vidattn
+
+        return vidattn.video_sparse_attention(inputs.q, inputs.k, inputs.v, tiling=inputs.tiling,
+                                              sparsity=inputs.sparsity, scale=inputs.scale)
+
+
+class VidattnDenseOverTokens(Impl):
+    name, backend = "vidattn-dense", "vidattn.attention (pad slots masked)"
+    reference_kind = "dense-tokens"
+
+    def forward(self, inputs: VsaInputs) -> torch.Tensor:
+        import vidattn
+
+        mask = inputs.slot_mask()
+        return vidattn.attention(inputs.q, inputs.k, inputs.v, scale=inputs.scale,
+                                 key_padding_mask=mask, query_padding_mask=mask)
+
+
+class SdpaOnPadded(SdpaDense):
+    """SDPA on the same padded tensors, no mask: the dense attention a model would run."""
+
+    reference_kind = "dense"
+
+
+def _selection(inputs: VsaInputs):
+    import vidattn
+
+    with torch.no_grad():
+        _, (index, count) = vidattn.video_sparse_attention(
+            inputs.q, inputs.k, inputs.v, tiling=inputs.tiling, sparsity=inputs.sparsity,
+            scale=inputs.scale, return_selection=True)
+    return index, count
+
+
+def _masked_attention64(q, k, v, scale, allowed_tiles, slot_tile, slot_valid, tile_volume):
+    """float64 ``softmax(q k^T * scale) v`` over [b, S, h, D] where query slot i may see key
+    slot j iff ``allowed_tiles[b, h, tile(i), tile(j)]`` and slot j holds a token; rows that
+    see nothing and pad rows give 0. Computed a few query tiles at a time."""
+    q, k, v = (t.double().permute(0, 2, 1, 3) for t in (q, k, v))  # [b, h, S, D]
+    out = torch.zeros(q.shape[:-1] + (v.shape[-1],), dtype=torch.float64, device=q.device)
+    rows = max(tile_volume, (1 << 22) // max(1, k.shape[2] * q.shape[1]) // tile_volume
+               * tile_volume)
+    for r0 in range(0, q.shape[2], rows):
+        r1 = min(q.shape[2], r0 + rows)
+        s = torch.einsum("bhqd,bhkd->bhqk", q[:, :, r0:r1], k) * scale
+        ok = allowed_tiles[:, :, slot_tile[r0:r1]][..., slot_tile] & slot_valid[None, None, None, :]
+        s = s.masked_fill(~ok, float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)  # a row with no visible key: all -inf
+        out[:, :, r0:r1] = torch.einsum("bhqk,bhkd->bhqd", p, v)
+    out = out * slot_valid[None, None, :, None]
+    return out.permute(0, 2, 1, 3)
+
+
+class VsaCase(Case):
+    name = "vsa"
+    directions = ("fwd",)
+
+    def __init__(self, impls, peer_order):
+        self.impls = tuple(impls)
+        self.peer_order = tuple(peer_order)
+
+    def accepts(self, shape: Shape) -> bool:
+        return shape.grid is not None
+
+    def forward_flops(self, shape: Shape) -> float:
+        return 4.0 * shape.batch * shape.heads * shape.q_len * shape.kv_len * shape.head_dim
+
+    def make_inputs(self, shape, dtype, device, generator, input_scale=1.0) -> VsaInputs:
+        import vidattn
+
+        tiling = vidattn.VideoTiling(grid=shape.grid, tile=shape.tile, device=device)
+
+        def randn():
+            t = torch.randn(shape.batch, tiling.num_tokens, shape.heads, shape.head_dim,
+                            device=device, generator=generator, dtype=torch.float32)
+            return tiling.tile((t * input_scale).to(dtype))
+
+        return VsaInputs(randn(), randn(), randn(), tiling, shape.sparsity)
+
+    def reference_forward(self, inputs: VsaInputs, scope: RefScope, kind: str = "vsa"):
+        q, k, v = (scope.take(t) for t in (inputs.q, inputs.k, inputs.v))
+        if kind == "dense":
+            out, _ = reference.attention_forward(q, k, v, scale=inputs.scale, causal=False)
+            return (out,)
+        tiling = inputs.tiling
+        scale = inputs.scale if inputs.scale is not None else q.shape[-1] ** -0.5
+        slot_tile, slot_valid = tiling.slot_tile.long(), tiling.slot_valid
+        b, h, tiles = q.shape[0], q.shape[2], tiling.num_tiles
+        if kind == "dense-tokens":
+            allowed = torch.ones(b, h, tiles, tiles, dtype=torch.bool, device=q.device)
+            return (_masked_attention64(q, k, v, scale, allowed, slot_tile, slot_valid,
+                                        tiling.tile_volume),)
+        # VSA: the selection vidattn made (a constant of the op) ...
+        index, count = (scope.take_bh(t) for t in _selection(inputs))
+        allowed = torch.zeros(b, h, tiles, tiles + 1, dtype=torch.bool, device=q.device)
+        slots = torch.arange(index.shape[-1], device=q.device)
+        picked = torch.where(slots < count[..., None].long(), index.long(), tiles)
+        allowed.scatter_(3, picked, True)
+        fine = _masked_attention64(q, k, v, scale, allowed[..., :tiles], slot_tile, slot_valid,
+                                   tiling.tile_volume)
+        # ... plus the coarse branch: attention over the tiles' means, broadcast to the tokens.
+        sizes = tiling.block_sizes.double().clamp(min=1)[None, :, None, None]
+
+        def pool(t):
+            t = t.double() * slot_valid[None, :, None, None]
+            return t.view(b, tiles, tiling.tile_volume, h, -1).sum(2) / sizes
+
+        qc, kc, vc = pool(q), pool(k), pool(v)
+        p = torch.softmax(torch.einsum("bthd,buhd->bhtu", qc, kc) * scale, dim=-1)
+        oc = torch.einsum("bhtu,buhd->bthd", p, vc)[:, slot_tile] * slot_valid[None, :, None, None]
+        return (fine + oc,)
+
+
+def vsa_case(device: torch.device) -> VsaCase:
+    if device.type == "cuda":
+        return VsaCase([VidattnVsa(), VidattnDenseOverTokens(), SdpaOnPadded("CUDNN_ATTENTION")],
+                       peer_order=("sdpa-cudnn", "vidattn-dense"))
+    return VsaCase([VidattnVsa(), VidattnDenseOverTokens()], peer_order=("vidattn-dense",))
+
+
+def draw_selection(shape: Shape, path, device: torch.device, seed: int = 0) -> None:
+    """Runs VSA once on ``shape`` and draws which key tiles (columns) each query tile (rows)
+    of batch 0, head 0 selected."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    inputs = VsaCase([], ()).make_inputs(shape, torch.float32, device, gen)
+    index, count = _selection(inputs)
+    tiles = inputs.tiling.num_tiles
+    chosen = torch.zeros(tiles, tiles + 1, dtype=torch.bool)
+    slots = torch.arange(index.shape[-1])
+    idx, cnt = index[0, 0].cpu().long(), count[0, 0].cpu().long()
+    chosen.scatter_(1, torch.where(slots < cnt[:, None], idx, tiles), True)
+    fig, ax = plt.subplots(figsize=(7, 6.5))
+    ax.imshow(chosen[:, :tiles].numpy(), cmap="Greys", interpolation="nearest", aspect="auto")
+    ax.set_xlabel("key tile")
+    ax.set_ylabel("query tile")
+    ax.set_title(f"VSA selection, batch 0 head 0: {shape.label}\n"
+                 f"{int(cnt.max())} of {tiles} key tiles per query tile")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
