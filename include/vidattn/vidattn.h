@@ -3,6 +3,7 @@
 
 #include "vidattn/attention.h"
 #include "vidattn/error.h"
+#include "vidattn/rope.h"
 #include "vidattn/tensor_view.h"
 #include "vidattn/version.h"
 #include "vidattn/vsa.h"

@@ -12,6 +12,8 @@ import torch as _torch
 _torch.ops.load_library(_os.path.join(_os.path.dirname(__file__), "_vidattn_ops.so"))
 
 from ._attention import attention, attention_varlen  # noqa: E402
+from .rope import apply_rope  # noqa: E402
+from .distributed import DistributedAttention  # noqa: E402
 from .vsa import (  # noqa: E402
     VideoTiling,
     block_sparse_attention,
@@ -28,6 +30,8 @@ __version__ = "0.1.0"
 __all__ = [
     "attention",
     "attention_varlen",
+    "apply_rope",
+    "DistributedAttention",
     "VideoTiling",
     "block_sparse_attention",
     "pack_videos",

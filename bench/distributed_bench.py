@@ -1,0 +1,291 @@
+"""Sequence-parallel efficiency of vidattn.DistributedAttention: 2 GPUs against 1.
+
+    torchrun --nproc_per_node 2 bench/distributed_bench.py            # Wan2.1-14B 720p, bf16
+    torchrun --nproc_per_node 2 bench/distributed_bench.py --check    # NCCL parity + compile first
+    torchrun --nproc_per_node 2 bench/distributed_bench.py --device cpu --grid 2x8x8 --heads 4 \
+        --iters 2 --warmup 1                                          # smoke test on CPU / gloo
+
+Default shape: Wan2.1-14B at 720p, B=1, H=40, D=128, latent grid 21x45x80 -> 75,600 tokens
+(37,800 per GPU), bf16, RoPE on q and k with full-sequence tables. Cases: dense
+(vidattn.attention) and VSA (vidattn.video_sparse_attention, 4x4x4 tiles, sparsity 0.9, with
+a gate), forward and backward.
+
+time(1 GPU): rank 0 runs the layer on the whole sequence and all heads, alone (a one-rank
+process group, so no collective; rank 1 waits). time(2 GPUs): both ranks run the layer on
+their shards (all-to-all, attention on H/2 heads, reverse all-to-all); the slower rank's time
+counts. efficiency = time(1 GPU) / (2 x time(2 GPUs)): 1.0 is perfect scaling (target >=
+0.90). Forward is timed under no_grad; backward is the backward pass alone (the forward
+before it is not in the time). Times are CUDA-event means over --iters after --warmup.
+
+--check first verifies, at the benchmark shape, that the 2-GPU output shard and the gradients
+of q, k, v (and gate) equal the 1-GPU ones (max abs difference reported, must be within
+--check-atol), and that torch.compile(fullgraph=True) of the layer has zero graph breaks and
+matches eager. Results go to bench/results/distributed-<device>-<date>.json (and stdout).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import vidattn
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--grid", default="21x45x80", help="latent grid TxHxW (default Wan 720p)")
+    p.add_argument("--heads", type=int, default=40)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--cases", default="dense,vsa", help="comma list of dense, vsa")
+    p.add_argument("--directions", default="fwd,bwd", help="comma list of fwd, bwd")
+    p.add_argument("--sparsity", type=float, default=0.9, help="VSA sparsity")
+    p.add_argument("--tile", default="4x4x4", help="VSA tile")
+    p.add_argument("--no-rope", action="store_true", help="skip RoPE in the layer")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--check", action="store_true",
+                   help="verify 2-GPU vs 1-GPU parity and compile (fullgraph) before timing")
+    p.add_argument("--check-atol", type=float, default=0.0,
+                   help="allowed max abs difference in --check (default: bit-identical)")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                   help="cuda (NCCL) or cpu (gloo, for a smoke test)")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/...)")
+    return p.parse_args(argv)
+
+
+def dims(text):
+    values = tuple(int(x) for x in text.lower().split("x"))
+    if len(values) != 3:
+        raise SystemExit(f"expected TxHxW, got {text!r}")
+    return values
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.world != 2:
+            raise SystemExit(f"run with torchrun --nproc_per_node 2 (got world size {self.world})")
+        if args.device == "cuda":
+            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", self.rank)))
+            torch.cuda.set_device(self.device)
+        else:
+            self.device = torch.device("cpu")
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+        self.grid = dims(args.grid)
+        self.tokens = math.prod(self.grid)
+        if self.tokens % self.world or args.heads % self.world:
+            raise SystemExit("tokens and heads must be divisible by 2 for this benchmark")
+        # Every rank creates every group; the one-rank group gives the 1-GPU layer (no collective).
+        self.solo = dist.new_group([0])
+        dist.new_group([1])
+        gen = torch.Generator().manual_seed(0)
+        b, h, d = args.batch, args.heads, args.head_dim
+        full = lambda: torch.randn(b, self.tokens, h, d, generator=gen).to(self.device, self.dtype)  # noqa: E731
+        self.q, self.k, self.v, self.gate, self.grad_out = (full() for _ in range(5))
+        theta = torch.rand(self.tokens, d // 2, generator=gen) * 2 * math.pi
+        self.cos, self.sin = theta.cos().to(self.device), theta.sin().to(self.device)
+        n = self.tokens // self.world
+        self.rows = slice(self.rank * n, (self.rank + 1) * n)
+
+    # -- layers and inputs ----------------------------------------------------------------
+    def layer(self, case, group):
+        if case == "dense":
+            return vidattn.DistributedAttention("dense", group=group)
+        tiling = vidattn.VideoTiling(grid=self.grid, tile=dims(self.args.tile), device=self.device)
+        return vidattn.DistributedAttention("vsa", group=group, tiling=tiling,
+                                            sparsity=self.args.sparsity)
+
+    def inputs(self, case, sharded, requires_grad):
+        rows = self.rows if sharded else slice(None)
+        names = ["q", "k", "v"] + (["gate"] if case == "vsa" else [])
+        xs = {n: getattr(self, n)[:, rows].clone().requires_grad_(requires_grad) for n in names}
+        kwargs = {} if self.args.no_rope else {"cos": self.cos, "sin": self.sin}
+        if case == "vsa":
+            kwargs["gate"] = xs["gate"]
+        return xs, kwargs
+
+    # -- timing ------------------------------------------------------------------------------
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _timer(self):
+        if self.device.type == "cuda":
+            return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        return None
+
+    def time_ms(self, case, direction, sharded, group):
+        """Mean ms of one forward (no_grad) or one backward on this rank."""
+        layer = self.layer(case, group)
+        grad_out = self.grad_out[:, self.rows] if sharded else self.grad_out
+        times = []
+        for it in range(self.args.warmup + self.args.iters):
+            if direction == "fwd":
+                xs, kwargs = self.inputs(case, sharded, False)
+                self._sync()
+                t0 = self._start()
+                with torch.no_grad():
+                    layer(xs["q"], xs["k"], xs["v"], **kwargs)
+            else:
+                xs, kwargs = self.inputs(case, sharded, True)
+                out = layer(xs["q"], xs["k"], xs["v"], **kwargs)
+                self._sync()
+                t0 = self._start()
+                out.backward(grad_out)
+            elapsed = self._stop(t0)
+            if it >= self.args.warmup:
+                times.append(elapsed)
+        return sum(times) / len(times)
+
+    def _start(self):
+        import time
+        events = self._timer()
+        if events:
+            events[0].record()
+            return events
+        return time.perf_counter()
+
+    def _stop(self, t0):
+        import time
+        if isinstance(t0, tuple):
+            t0[1].record()
+            t0[1].synchronize()
+            return t0[0].elapsed_time(t0[1])
+        return (time.perf_counter() - t0) * 1e3
+
+    def measure(self, case, direction):
+        one_gpu = None
+        if self.rank == 0:
+            one_gpu = self.time_ms(case, direction, sharded=False, group=self.solo)
+        dist.barrier()
+        two_gpu = torch.tensor([self.time_ms(case, direction, sharded=True, group=None)],
+                               dtype=torch.float64, device=self.device)
+        dist.all_reduce(two_gpu, op=dist.ReduceOp.MAX)  # the slower rank sets the pace
+        dist.barrier()
+        if self.rank != 0:
+            return None
+        t2 = two_gpu.item()
+        return {"case": case, "direction": direction, "time_1gpu_ms": one_gpu,
+                "time_2gpu_ms": t2, "efficiency": one_gpu / (2 * t2)}
+
+    def unsupported(self, case):
+        """None when this build runs `case` at this dtype / head dim on the device, else the
+        reason. Probed on a tiny local problem by every rank (no collective), then agreed on,
+        so no rank waits in a collective for one that failed."""
+        reason = None
+        try:
+            gen = torch.Generator().manual_seed(1)
+            x = torch.randn(1, 64, 1, self.args.head_dim, generator=gen).to(self.device, self.dtype)
+            if case == "dense":
+                vidattn.attention(x, x, x)
+            else:
+                tiling = vidattn.VideoTiling(grid=(4, 4, 4), tile=(4, 4, 4), device=self.device)
+                vidattn.video_sparse_attention(x, x, x, tiling=tiling, topk=1, gate=x)
+        except (NotImplementedError, AttributeError) as e:
+            reason = f"{type(e).__name__}: {e}"
+        flag = torch.tensor([0.0 if reason else 1.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        if flag.item() == 0.0 and reason is None:
+            reason = "not supported on the other rank"
+        return reason
+
+    # -- parity and compile ----------------------------------------------------------------
+    def run_layer(self, layer, case, sharded):
+        xs, kwargs = self.inputs(case, sharded, True)
+        out = layer(xs["q"], xs["k"], xs["v"], **kwargs)
+        out.backward(self.grad_out[:, self.rows] if sharded else self.grad_out)
+        return {"out": out.detach(), **{"d" + n: x.grad for n, x in xs.items()}}
+
+    def check(self, case):
+        """2-GPU shard vs the 1-GPU result (each rank computes the latter itself), and
+        compile(fullgraph=True): zero graph breaks, same output and gradients as eager."""
+        # Each rank computes the full 1-GPU reference itself, on its own one-rank group.
+        groups = [dist.new_group([0]), dist.new_group([1])]
+        ref = self.run_layer(self.layer(case, groups[self.rank]), case, sharded=False)
+        got = self.run_layer(self.layer(case, None), case, sharded=True)
+        diffs = {name: (got[name].float() - ref[name][:, self.rows].float()).abs().max().item()
+                 for name in got}
+        layer = self.layer(case, None)
+        xs, kwargs = self.inputs(case, True, False)
+        explanation = torch._dynamo.explain(layer)(xs["q"], xs["k"], xs["v"], **kwargs)
+        torch._dynamo.reset()
+        compiled = torch.compile(layer, fullgraph=True)
+        got_compiled = self.run_layer(compiled, case, sharded=True)
+        compile_diffs = {name: (got_compiled[name].float() - got[name].float()).abs().max().item()
+                         for name in got}
+        result = torch.tensor([max(diffs.values()), max(compile_diffs.values()),
+                               explanation.graph_break_count], dtype=torch.float64,
+                              device=self.device)
+        dist.all_reduce(result, op=dist.ReduceOp.MAX)
+        worst, worst_compiled, breaks = result.tolist()
+        ok = worst <= self.args.check_atol and breaks == 0 and worst_compiled <= max(
+            self.args.check_atol, 1e-2)
+        return {"case": case, "max_abs_diff_2gpu_vs_1gpu": worst,
+                "per_tensor_rank_local": diffs, "graph_breaks": int(breaks),
+                "max_abs_diff_compiled_vs_eager": worst_compiled, "ok": ok}
+
+
+def main(argv=None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    try:
+        bench = Bench(args)
+        cases = [c for c in args.cases.split(",") if c]
+        directions = [d for d in args.directions.split(",") if d]
+        report = {"shape": {"batch": args.batch, "grid": bench.grid, "tokens": bench.tokens,
+                            "heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype,
+                            "rope": not args.no_rope, "vsa_sparsity": args.sparsity,
+                            "vsa_tile": args.tile},
+                  "checks": [], "rows": []}
+        skipped = {case: bench.unsupported(case) for case in cases}
+        report["skipped"] = {case: why for case, why in skipped.items() if why}
+        if bench.rank == 0:
+            for case, why in report["skipped"].items():
+                print(f"{case}: skipped ({why})", flush=True)
+        cases = [case for case in cases if not skipped[case]]
+        if args.check:
+            for case in cases:
+                report["checks"].append(bench.check(case))
+                if bench.rank == 0:
+                    print(json.dumps(report["checks"][-1]), flush=True)
+        for case in cases:
+            for direction in directions:
+                row = bench.measure(case, direction)
+                if row:
+                    report["rows"].append(row)
+                    print(f"{case:6s} {direction}: 1 GPU {row['time_1gpu_ms']:9.2f} ms   "
+                          f"2 GPUs {row['time_2gpu_ms']:9.2f} ms   efficiency "
+                          f"{row['efficiency']:.3f}", flush=True)
+        if bench.rank == 0:
+            try:
+                from vidattn.bench.environment import metadata
+                report["environment"] = metadata(bench.device, torch.get_num_threads(),
+                                                 sys.argv)
+            except ImportError:
+                report["environment"] = {"argv": sys.argv, "torch_version": torch.__version__}
+            name = report["environment"].get("device", args.device)
+            out = Path(args.out) if args.out else (
+                Path(__file__).resolve().parent / "results" /
+                f"distributed-2x{name}-{datetime.date.today().isoformat()}.json")
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(report, indent=2) + "\n")
+            print(f"wrote {out}")
+            if args.check and not all(c["ok"] for c in report["checks"]):
+                raise SystemExit("parity / compile check failed: see 'checks' in the JSON")
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,261 @@
+"""Sequence-parallel attention over ``torch.distributed`` (Ulysses style all-to-all).
+
+Each rank holds a contiguous shard of the sequence with all heads. One all-to-all turns that
+into the full sequence with ``H / world`` heads, attention runs on it, and the reverse
+all-to-all gives every rank its shard back. Everything is built from ops with autograd
+(vidattn's ops and torch's functional collectives, whose backward is the reverse
+collective), so training works, and ``torch.compile(fullgraph=True)`` traces the whole layer
+without graph breaks.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ._attention import attention
+from .rope import apply_rope
+
+_BACKENDS = ("dense", "vsa")
+
+
+def _group_size_and_rank(group) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError("DistributedAttention: a process group was given but "
+                             "torch.distributed is not initialized")
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _resolve_group(group):
+    # The functional collectives take no None for the default group.
+    return dist.group.WORLD if group is None else group
+
+
+def _all_to_all(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """All-to-all along dim 0 (chunk j goes to rank j; chunks received in rank order).
+
+    torch's functional collective op, whose autograd (registered on the op) is the reverse
+    all-to-all of the contiguous gradient. (The `_c10d_functional_autograd` variant behind
+    `all_to_all_single_autograd` rejects the non-contiguous gradients that the permutes
+    around it produce.)"""
+    from torch.distributed import _functional_collectives as funcol
+    splits = [x.shape[0] // world] * world
+    out = torch.ops._c10d_functional.all_to_all_single(
+        x, splits, splits, funcol._resolve_group_name(group))
+    return torch.ops._c10d_functional.wait_tensor(out)
+
+
+def _sequence_to_heads(xs: Sequence[torch.Tensor], world: int, group) -> List[torch.Tensor]:
+    """Local shards [B, S_local, H_i, D_i] -> [B, world * S_local, H_i / world, D_i] (this
+    rank's head group, full padded sequence), all tensors in one collective."""
+    b, s_local = xs[0].shape[0], xs[0].shape[1]
+    # [B, S_local, world, H_i / world * D_i], heads grouped by destination rank; the cat of
+    # the permuted views is the (only) copy into the send buffer [world, B, S_local, F].
+    widths = [x.shape[2] // world * x.shape[3] for x in xs]
+    parts = [x.reshape(b, s_local, world, w).permute(2, 0, 1, 3) for x, w in zip(xs, widths)]
+    send = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=-1)
+    recv = _all_to_all(send, world, group)  # [world (sequence chunk), B, S_local, F]
+    full = recv.permute(1, 0, 2, 3).reshape(b, world * s_local, sum(widths))
+    return [chunk.unflatten(-1, (x.shape[2] // world, x.shape[3]))
+            for chunk, x in zip(torch.split(full, widths, dim=-1), xs)]
+
+
+def _heads_to_sequence(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """[B, world * S_local, H / world, D] -> [B, S_local, H, D]: the inverse of
+    _sequence_to_heads."""
+    b, s_full, h_local, d = x.shape
+    s_local = s_full // world
+    send = x.reshape(b, world, s_local, h_local * d).permute(1, 0, 2, 3).contiguous()
+    recv = _all_to_all(send, world, group)  # [world (head group), B, S_local, H / world * D]
+    return recv.permute(1, 2, 0, 3).reshape(b, s_local, world * h_local, d)
+
+
+def _gather_heads(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """[B, L, H / world, D] on every rank -> [B, L, H, D] (heads in rank order). The op's
+    autograd reduce-scatters (sums) the gradient over the ranks."""
+    from torch.distributed import _functional_collectives as funcol
+    send = x.permute(2, 0, 1, 3).contiguous()  # heads first: all_gather works along dim 0
+    full = torch.ops._c10d_functional.all_gather_into_tensor(
+        send, world, funcol._resolve_group_name(group))
+    full = torch.ops._c10d_functional.wait_tensor(full)  # [H, B, L, D]
+    return full.permute(1, 2, 0, 3).contiguous()
+
+
+class DistributedAttention(torch.nn.Module):
+    """Sequence-parallel attention (dense or VSA) over a ``torch.distributed`` group.
+
+    ``DistributedAttention(backend="dense", *, group=None, scale=None, interleaved_rope=True,
+    tiling=None, topk=None, sparsity=None)``
+
+    ``forward(q, k, v, *, seq_len=None, cos=None, sin=None, replicated_q=None,
+    replicated_k=None, replicated_v=None, gate=None)``
+
+    Sharding: every rank passes its shard ``[B, S_local, H, D]`` of q, k, v (``[B, S_local,
+    Hkv, Dv]`` for v; Hkv may be smaller than H for grouped heads). The global sequence is the
+    shards of ranks 0, 1, ... back to back, ``world * S_local`` tokens, of which the first
+    ``seq_len`` (default: all) are real and the rest padding that made the length divisible
+    by the world size. Every rank must pass the same ``S_local`` and ``seq_len``. H and Hkv
+    must be multiples of the world size (ValueError otherwise).
+
+    Steps: all-to-all (scatter heads, gather the sequence); drop the padding; RoPE on q and k
+    with the full-sequence tables ``cos`` / ``sin`` (``[seq_len, D]`` or ``[seq_len, D/2]``,
+    see :func:`vidattn.apply_rope`; pairs as ``interleaved_rope``), if given; attention; pad
+    back; reverse all-to-all. The output is this rank's shard ``[B, S_local, H, Dv]``; its
+    padding rows are 0 and padded inputs get zero gradient.
+
+    Replicated tokens (dense only): ``replicated_q/k/v`` ``[B, L, H, D]`` (e.g. text), the
+    same on every rank, are sliced to this rank's heads and appended after the sequence (joint
+    attention: every token attends to the sequence and the replicated tokens). RoPE is not
+    applied to them. Their output is all-gathered over heads and returned:
+    ``forward`` then returns ``(out, replicated_out)``, ``replicated_out`` ``[B, L, H, Dv]``.
+    Gradients follow torch's autograd collectives, i.e. they are those of the sum of all
+    ranks' losses: a replicated input receives the part of its gradient that flows through
+    this rank's heads (sum it over the group, like any replicated parameter's gradient), and a
+    loss term on ``replicated_out`` is counted once per rank (divide it by the world size, or
+    compute it on one rank, to count it once in total).
+
+    ``backend="vsa"``: :func:`vidattn.video_sparse_attention` with ``tiling`` (a
+    :class:`vidattn.VideoTiling` of the full, unpadded sequence in raster order, so
+    ``seq_len == tiling.num_tokens``) and ``topk`` or ``sparsity``; the layer tiles the
+    gathered sequence after RoPE and untiles the result. ``gate`` (``[B, S_local, H, D]``,
+    sharded like q) is optional. Replicated tokens are not supported with VSA (its tiles cover
+    the video grid only).
+
+    World size 1 (or torch.distributed not initialized) runs with no collective.
+    """
+
+    def __init__(self, backend: str = "dense", *, group=None, scale: Optional[float] = None,
+                 interleaved_rope: bool = True, tiling=None, topk: Optional[int] = None,
+                 sparsity: Optional[float] = None):
+        super().__init__()
+        if backend not in _BACKENDS:
+            raise ValueError(f"DistributedAttention: backend must be 'dense' or 'vsa', got "
+                             f"{backend!r}")
+        if backend == "vsa":
+            if tiling is None:
+                raise ValueError("DistributedAttention: backend='vsa' needs tiling= (a "
+                                 "VideoTiling of the full sequence)")
+            if (topk is None) == (sparsity is None):
+                raise ValueError("DistributedAttention: backend='vsa' needs exactly one of "
+                                 "topk= and sparsity=")
+        elif tiling is not None or topk is not None or sparsity is not None:
+            raise ValueError("DistributedAttention: tiling, topk and sparsity are for "
+                             "backend='vsa'")
+        self.backend = backend
+        self.group = group
+        self.scale = scale
+        self.interleaved_rope = bool(interleaved_rope)
+        self.tiling = tiling
+        self.topk = topk
+        self.sparsity = sparsity
+
+    def extra_repr(self) -> str:
+        extra = f", tiling={self.tiling!r}" if self.backend == "vsa" else ""
+        return f"backend={self.backend!r}, scale={self.scale}{extra}"
+
+    def _check(self, q, k, v, seq_len, world, cos, sin, replicated, gate):
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor) or t.dim() != 4:
+                raise ValueError(f"DistributedAttention: {name} must be a 4-D [B, S_local, H, D] "
+                                 f"tensor, got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+        if k.shape[:2] != q.shape[:2] or v.shape[:3] != k.shape[:3]:
+            raise ValueError(f"DistributedAttention: q, k, v must share B and S_local (and k, v "
+                             f"their heads), got {tuple(q.shape)}, {tuple(k.shape)}, "
+                             f"{tuple(v.shape)}")
+        for name, t in (("q", q), ("k", k)):
+            if t.shape[2] % world != 0:
+                raise ValueError(
+                    f"DistributedAttention: the number of heads of {name} ({t.shape[2]}) must be "
+                    f"divisible by the world size ({world}): each rank takes H / world heads")
+        padded = world * q.shape[1]
+        if not 0 <= seq_len <= padded:
+            raise ValueError(f"DistributedAttention: seq_len must be in [0, world * S_local = "
+                             f"{padded}], got {seq_len}")
+        if (cos is None) != (sin is None):
+            raise ValueError("DistributedAttention: pass both cos and sin, or neither")
+        if replicated is not None:
+            if self.backend == "vsa":
+                raise ValueError("DistributedAttention: replicated tokens are not supported with "
+                                 "backend='vsa' (VSA tiles cover the video grid only)")
+            for name, t, like in zip(("replicated_q", "replicated_k", "replicated_v"),
+                                     replicated, (q, k, v)):
+                if (not isinstance(t, torch.Tensor) or t.dim() != 4 or t.shape[0] != like.shape[0]
+                        or t.shape[2:] != like.shape[2:] or t.shape[1] != replicated[0].shape[1]):
+                    raise ValueError(
+                        f"DistributedAttention: {name} must be [B, L, H, D] with B, H, D of its "
+                        f"sharded counterpart {tuple(like.shape)} and one L for all three, got "
+                        f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+        if gate is not None:
+            if self.backend != "vsa":
+                raise ValueError("DistributedAttention: gate is for backend='vsa'")
+            if not isinstance(gate, torch.Tensor) or gate.shape != q.shape:
+                raise ValueError(f"DistributedAttention: gate must have q's shape "
+                                 f"{tuple(q.shape)}, got "
+                                 f"{tuple(gate.shape) if isinstance(gate, torch.Tensor) else type(gate)}")
+        if self.backend == "vsa" and seq_len != self.tiling.num_tokens:
+            raise ValueError(f"DistributedAttention: the sequence has {seq_len} tokens but the "
+                             f"tiling {self.tiling!r} has {self.tiling.num_tokens}")
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                seq_len: Optional[int] = None, cos: Optional[torch.Tensor] = None,
+                sin: Optional[torch.Tensor] = None, replicated_q: Optional[torch.Tensor] = None,
+                replicated_k: Optional[torch.Tensor] = None,
+                replicated_v: Optional[torch.Tensor] = None,
+                gate: Optional[torch.Tensor] = None):
+        world, rank = _group_size_and_rank(self.group)
+        group = _resolve_group(self.group) if world > 1 else None
+        replicated = (replicated_q, replicated_k, replicated_v)
+        if all(t is None for t in replicated):
+            replicated = None
+        elif any(t is None for t in replicated):
+            raise ValueError("DistributedAttention: pass all of replicated_q, replicated_k and "
+                             "replicated_v, or none")
+        padded = world * q.shape[1]
+        seq_len = padded if seq_len is None else int(seq_len)
+        self._check(q, k, v, seq_len, world, cos, sin, replicated, gate)
+
+        # Full sequence, this rank's heads.
+        sharded = [q, k, v] if gate is None else [q, k, v, gate]
+        if world > 1:
+            sharded = _sequence_to_heads(sharded, world, group)
+        if seq_len != padded:
+            sharded = [t[:, :seq_len] for t in sharded]
+        q, k, v = sharded[:3]
+        gate = sharded[3] if gate is not None else None
+        if cos is not None:
+            q = apply_rope(q, cos, sin, interleaved=self.interleaved_rope)
+            k = apply_rope(k, cos, sin, interleaved=self.interleaved_rope)
+
+        replicated_out = None
+        if self.backend == "dense":
+            if replicated is not None:
+                def local(t):  # this rank's heads
+                    h = t.shape[2] // world
+                    return t[:, :, rank * h:(rank + 1) * h]
+                q = torch.cat([q, local(replicated[0])], dim=1)
+                k = torch.cat([k, local(replicated[1])], dim=1)
+                v = torch.cat([v, local(replicated[2])], dim=1)
+            out = attention(q, k, v, scale=self.scale)
+            if replicated is not None:
+                replicated_out = out[:, seq_len:]
+                out = out[:, :seq_len]
+                if world > 1:
+                    replicated_out = _gather_heads(replicated_out, world, group)
+        else:
+            from .vsa import video_sparse_attention
+            tiling = self.tiling
+            out = video_sparse_attention(
+                tiling.tile(q), tiling.tile(k), tiling.tile(v), tiling=tiling, topk=self.topk,
+                sparsity=self.sparsity, gate=None if gate is None else tiling.tile(gate),
+                scale=self.scale)
+            out = tiling.untile(out)
+
+        if seq_len != padded:
+            out = F.pad(out, (0, 0, 0, 0, 0, padded - seq_len))
+        if world > 1:
+            out = _heads_to_sequence(out, world, group)
+        return out if replicated is None else (out, replicated_out)

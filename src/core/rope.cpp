@@ -1,0 +1,119 @@
+// Validation and backend dispatch for RoPE.
+#include "vidattn/rope.h"
+
+#include <stdexcept>
+#include <utility>
+
+#include "check.h"
+#include "rope_backends.h"
+#if VIDATTN_WITH_CUDA
+#include "../cuda/rope_launch.h"
+#endif
+
+namespace vidattn {
+namespace {
+
+bool is_float(DType t) {
+  return t == DType::kFloat32 || t == DType::kFloat16 || t == DType::kBFloat16 ||
+         t == DType::kFloat64;
+}
+
+RopeProblem describe(const char* function, const TensorView& x, const TensorView& cos,
+                     const TensorView& sin, const RopeOptions& o) {
+  const detail::ArgChecker check(function);
+  check.ndim(x, "x", 4, "[B, S, H, D]");
+  if (!is_float(x.dtype))
+    detail::throw_type_error(function, ": argument 'x' must be float32, float16, bfloat16 or "
+                             "float64, got ", dtype_name(x.dtype));
+  // An empty tensor's strides are arbitrary (e.g. the expanded gradient of sum()).
+  if (x.numel() > 0) check.unit_last_stride(x, "x");
+  for (int d = 0; d < 4; ++d)
+    if (x.shape[d] < 0) check.fail("argument 'x' has a negative size");
+  RopeProblem p;
+  p.batch = x.shape[0], p.seqlen = x.shape[1], p.heads = x.shape[2], p.head_dim = x.shape[3];
+  p.dtype = x.dtype;
+  p.device = x.device;
+  if (p.head_dim % 2 != 0)
+    check.fail("the head dim D of 'x' must be even (RoPE rotates pairs), got D = ", p.head_dim);
+
+  check.ndim(cos, "cos", 2, "[S, D] or [S, D/2]");
+  check.ndim(sin, "sin", 2, "[S, D] or [S, D/2]");
+  if (!is_float(cos.dtype))
+    detail::throw_type_error(function, ": argument 'cos' must be float32, float16, bfloat16 or "
+                             "float64, got ", dtype_name(cos.dtype));
+  check.dtype(sin, "sin", cos.dtype);
+  for (auto [t, name] : {std::pair{&cos, "cos"}, {&sin, "sin"}})
+    if (!(t->device == x.device))
+      check.fail("argument '", name, "' must be on ", device_name(x.device), " like x, got ",
+                 device_name(t->device));
+  if (cos.shape[0] != p.seqlen || (cos.shape[1] != p.head_dim && cos.shape[1] != p.head_dim / 2))
+    check.fail("argument 'cos' must be [S, D] = [", p.seqlen, ", ", p.head_dim, "] or [S, D/2] = [",
+               p.seqlen, ", ", p.head_dim / 2, "] for x of shape ", shape_string(x), ", got ",
+               shape_string(cos));
+  if (sin.shape[0] != cos.shape[0] || sin.shape[1] != cos.shape[1])
+    check.fail("argument 'sin' must have the shape of cos, ", shape_string(cos), ", got ",
+               shape_string(sin));
+  p.half_table = cos.shape[1] == p.head_dim / 2;
+  p.table_dtype = cos.dtype;
+  if (o.num_threads < 0) check.fail("num_threads must be >= 0, got ", o.num_threads);
+  return p;
+}
+
+#if VIDATTN_WITH_CUDA
+// The kernel's interface is C++17 (no vidattn headers), so the views become plain numbers.
+void cuda_rope(const char* function, const RopeProblem& p, const TensorView& x,
+               const TensorView& cos, const TensorView& sin, const TensorView& out,
+               const RopeOptions& o) {
+  static_assert(int(DType::kFloat32) == 0 && int(DType::kFloat16) == 1 &&
+                int(DType::kBFloat16) == 2 && int(DType::kFloat64) == 3);
+  detail::RopeLaunchParams lp;
+  lp.x = x.data, lp.out = out.data, lp.cos = cos.data, lp.sin = sin.data;
+  lp.x_dtype = int(p.dtype), lp.table_dtype = int(p.table_dtype);
+  lp.batch = p.batch, lp.seqlen = p.seqlen, lp.heads = p.heads, lp.head_dim = p.head_dim;
+  for (int d = 0; d < 3; ++d) lp.x_stride[d] = x.stride[d], lp.out_stride[d] = out.stride[d];
+  for (int d = 0; d < 2; ++d) lp.cos_stride[d] = cos.stride[d], lp.sin_stride[d] = sin.stride[d];
+  lp.half_table = p.half_table, lp.interleaved = o.interleaved, lp.transpose = o.transpose;
+  lp.device = p.device.index;
+  lp.stream = o.stream;
+  if (const char* error = detail::launch_rope_cuda(lp))
+    throw std::runtime_error(detail::concat(function, ": CUDA error: ", error));
+}
+#endif
+
+}  // namespace
+
+RopeProblem describe_rope(const TensorView& x, const TensorView& cos, const TensorView& sin,
+                          const RopeOptions& options) {
+  return describe("vidattn::describe_rope", x, cos, sin, options);
+}
+
+void apply_rope(const TensorView& x, const TensorView& cos, const TensorView& sin,
+                const TensorView& out, const RopeOptions& options) {
+  constexpr const char* kFn = "vidattn::apply_rope";
+  const detail::ArgChecker check(kFn);
+  const RopeProblem p = describe(kFn, x, cos, sin, options);
+  check.non_null(x, "x");
+  check.non_null(cos, "cos");
+  check.non_null(sin, "sin");
+  check.non_null(out, "out");
+  check.dtype(out, "out", x.dtype);
+  if (!(out.device == x.device))
+    check.fail("argument 'out' must be on ", device_name(x.device), " like x, got ",
+               device_name(out.device));
+  bool same = out.ndim == 4;
+  for (int d = 0; same && d < 4; ++d) same = out.shape[d] == x.shape[d];
+  if (!same)
+    check.fail("argument 'out' must have the shape of x, ", shape_string(x), ", got ",
+               shape_string(out));
+  if (x.numel() == 0) return;
+  check.unit_last_stride(out, "out");
+  if (p.device.kind == DeviceKind::kCPU) return detail::cpu_rope(p, x, cos, sin, out, options);
+#if VIDATTN_WITH_CUDA
+  return cuda_rope(kFn, p, x, cos, sin, out, options);
+#else
+  throw NotImplementedError(detail::concat(
+      kFn, ": this build of vidattn has no CUDA backend; pass CPU tensors"));
+#endif
+}
+
+}  // namespace vidattn
