@@ -366,6 +366,16 @@ BlockSparseProblem describe_block_sparse_attention(const TensorView& q, const Te
                          q2k_count, options);
 }
 
+namespace {
+// out and lse of a block-sparse call: the forward's outputs, the backward's inputs.
+void check_sparse_outputs(const ArgChecker& check, const BlockSparseProblem& p,
+                          const TensorView& out, const TensorView& lse) {
+  check_like(check, out, "out", {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, p.dtype,
+             p.device);
+  check_like(check, lse, "lse", {p.batch, p.heads_q, p.seqlen_q}, p.lse_dtype, p.device);
+}
+}  // namespace
+
 void block_sparse_attention_forward(const TensorView& q, const TensorView& k, const TensorView& v,
                                     const TensorView& q2k_index, const TensorView& q2k_count,
                                     const TensorView& out, const TensorView& lse,
@@ -374,9 +384,7 @@ void block_sparse_attention_forward(const TensorView& q, const TensorView& k, co
   const ArgChecker check(kFn);
   const BlockSparseProblem p = describe_sparse(kFn, q, k, v, q2k_index, q2k_count, options);
   check_sparse_data(check, q, k, v, q2k_index, q2k_count, options);
-  check_like(check, out, "out", {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, p.dtype,
-             p.device);
-  check_like(check, lse, "lse", {p.batch, p.heads_q, p.seqlen_q}, p.lse_dtype, p.device);
+  check_sparse_outputs(check, p, out, lse);
   if (p.device.kind != DeviceKind::kCPU) no_cuda(kFn);
   detail::cpu_block_sparse_forward(p, q, k, v, q2k_index, q2k_count, out, lse, options);
 }
@@ -414,9 +422,7 @@ void block_sparse_attention_backward(const TensorView& q, const TensorView& k, c
   const ArgChecker check(kFn);
   const BlockSparseProblem p = describe_sparse(kFn, q, k, v, q2k_index, q2k_count, options);
   check_sparse_data(check, q, k, v, q2k_index, q2k_count, options);
-  check_like(check, out, "out", {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, p.dtype,
-             p.device);
-  check_like(check, lse, "lse", {p.batch, p.heads_q, p.seqlen_q}, p.lse_dtype, p.device);
+  check_sparse_outputs(check, p, out, lse);
   check_like(check, grad_out, "grad_out", {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v},
              p.dtype, p.device);
   check_like(check, k2q_offsets, "k2q_offsets", {p.batch, p.heads_q, p.kv_tiles + 1},

@@ -28,43 +28,20 @@ inline void pack_panels(const float* src, int n, int dim, float* dst) {
   }
 }
 
-// C[MR x 16] = A[MR x K] * panel[K x 16]
-template <int MR>
-inline void gemm_tile_panel(int K, const float* A, int lda, const float* panel, float* C,
-                            int ldc) {
-  __m256 acc[MR][2];
-#pragma GCC unroll 6
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for (int k = 0; k < K; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(panel + k * kPanel);
-    const __m256 b1 = _mm256_loadu_ps(panel + k * kPanel + 8);
-#pragma GCC unroll 6
-    for (int r = 0; r < MR; ++r) {
-      const __m256 a = _mm256_broadcast_ss(A + r * lda + k);
-      acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
-    }
-  }
-#pragma GCC unroll 6
-  for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(C + r * ldc, acc[r][0]);
-    _mm256_storeu_ps(C + r * ldc + 8, acc[r][1]);
-  }
-}
-
-// C[MR x 16] += A[MR x K] * B[K x 16] (B row-major with leading dim ldb)
-template <int MR>
-inline void gemm_tile_acc(int K, const float* A, int lda, const float* B, int ldb, float* C,
-                          int ldc) {
+// C[MR x 16] (+)= A[MR x K] * B[K x 16], B row-major with leading dim ldb (kPanel for a
+// packed panel); kAccumulate adds to C instead of overwriting it.
+template <int MR, bool kAccumulate>
+inline void gemm_tile(int K, const float* A, int lda, const float* B, long ldb, float* C,
+                      int ldc) {
   __m256 acc[MR][2];
 #pragma GCC unroll 6
   for (int r = 0; r < MR; ++r) {
-    acc[r][0] = _mm256_loadu_ps(C + r * ldc);
-    acc[r][1] = _mm256_loadu_ps(C + r * ldc + 8);
+    acc[r][0] = kAccumulate ? _mm256_loadu_ps(C + r * ldc) : _mm256_setzero_ps();
+    acc[r][1] = kAccumulate ? _mm256_loadu_ps(C + r * ldc + 8) : _mm256_setzero_ps();
   }
   for (int k = 0; k < K; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(B + static_cast<long>(k) * ldb);
-    const __m256 b1 = _mm256_loadu_ps(B + static_cast<long>(k) * ldb + 8);
+    const __m256 b0 = _mm256_loadu_ps(B + k * ldb);
+    const __m256 b1 = _mm256_loadu_ps(B + k * ldb + 8);
 #pragma GCC unroll 6
     for (int r = 0; r < MR; ++r) {
       const __m256 a = _mm256_broadcast_ss(A + r * lda + k);
@@ -98,9 +75,9 @@ inline void gemm_nt_panels(int rows, int panels, int K, const float* A, int lda,
                            const float* packed_b, float* S, int lds) {
   for (int p = 0; p < panels; ++p)
     for_row_tiles(rows, [&](int r, auto mr) {
-      gemm_tile_panel<decltype(mr)::value>(K, A + r * lda, lda,
-                                           packed_b + static_cast<long>(p) * kPanel * K,
-                                           S + r * lds + p * kPanel, lds);
+      gemm_tile<decltype(mr)::value, false>(K, A + r * lda, lda,
+                                            packed_b + static_cast<long>(p) * kPanel * K, kPanel,
+                                            S + r * lds + p * kPanel, lds);
     });
 }
 
@@ -111,7 +88,8 @@ inline void gemm_nn_acc(int rows, int N, int K, const float* A, int lda, const f
   int c = 0;
   for (; c + kPanel <= N; c += kPanel)
     for_row_tiles(rows, [&](int r, auto mr) {
-      gemm_tile_acc<decltype(mr)::value>(K, A + r * lda, lda, B + c, ldb, C + r * ldc + c, ldc);
+      gemm_tile<decltype(mr)::value, true>(K, A + r * lda, lda, B + c, ldb, C + r * ldc + c,
+                                           ldc);
     });
   for (int r = 0; r < rows; ++r)
     for (int k = 0; k < K; ++k) {
