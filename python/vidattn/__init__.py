@@ -1,7 +1,7 @@
 """vidattn: attention kernels for video diffusion transformers.
 
 Every function here is a thin door onto one ``torch.ops.vidattn`` op, whose schema, kernels
-(CPU, Meta) and autograd are registered in C++.
+(CPU, CUDA where built, Meta) and autograd are registered in C++.
 """
 from __future__ import annotations
 
