@@ -15,7 +15,8 @@ process group, so no collective; rank 1 waits). time(2 GPUs): both ranks run the
 their shards (all-to-all, attention on H/2 heads, reverse all-to-all); the slower rank's time
 counts. efficiency = time(1 GPU) / (2 x time(2 GPUs)): 1.0 is perfect scaling (target >=
 0.90). Forward is timed under no_grad; backward is the backward pass alone (the forward
-before it is not in the time). Times are CUDA-event means over --iters after --warmup.
+before it is not in the time). Times are medians of CUDA-event timings over --iters after
+--warmup (targets.md: median).
 
 --check first verifies, at the benchmark shape, that the 2-GPU output shard and the gradients
 of q, k, v (and gate) equal the 1-GPU ones (max abs difference reported, must be within
@@ -29,6 +30,7 @@ import datetime
 import json
 import math
 import os
+import statistics
 import sys
 from pathlib import Path
 
@@ -125,7 +127,7 @@ class Bench:
         return None
 
     def time_ms(self, case, direction, sharded, group):
-        """Mean ms of one forward (no_grad) or one backward on this rank."""
+        """Median ms of one forward (no_grad) or one backward on this rank."""
         layer = self.layer(case, group)
         grad_out = self.grad_out[:, self.rows] if sharded else self.grad_out
         times = []
@@ -145,7 +147,7 @@ class Bench:
             elapsed = self._stop(t0)
             if it >= self.args.warmup:
                 times.append(elapsed)
-        return sum(times) / len(times)
+        return statistics.median(times)
 
     def _start(self):
         import time
@@ -247,6 +249,7 @@ def main(argv=None):
                             "heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype,
                             "rope": not args.no_rope, "vsa_sparsity": args.sparsity,
                             "vsa_tile": args.tile},
+                  "statistic": f"median of {args.iters} timings after {args.warmup} warm-ups",
                   "checks": [], "rows": []}
         skipped = {case: bench.unsupported(case) for case in cases}
         report["skipped"] = {case: why for case, why in skipped.items() if why}
