@@ -36,15 +36,7 @@ void check_output(const detail::ArgChecker& check, const TensorView& t, const ch
   check.non_null(t, name);
   check.dtype(t, name, dtype);
   check.same_device(t, name, device);
-  bool same = t.ndim == ndim;
-  for (int i = 0; same && i < ndim; ++i) same = t.shape[i] == shape[i];
-  if (!same) {
-    TensorView expected;
-    expected.ndim = ndim;
-    for (int i = 0; i < ndim; ++i) expected.shape[i] = shape[i];
-    check.fail("argument '", name, "' must have shape ", shape_string(expected), ", got ",
-               shape_string(t));
-  }
+  check.shape(t, name, shape, ndim);
 }
 
 void check_same_as(const detail::ArgChecker& check, const TensorView& t, const char* name,

@@ -54,6 +54,19 @@ class ArgChecker {
       throw_value_error(function_, ": argument '", name, "' has shape ", shape_string(t),
                         "; expected size ", expected, " in dimension ", dim, " (", what, ")");
   }
+  // t must be exactly `ndim`-D with sizes `expected`; `layout` (e.g. "[B, Hq, Qtiles]") is
+  // added to the message when given.
+  void shape(const TensorView& t, const char* name, const std::int64_t* expected, int ndim,
+             const char* layout = "") const {
+    bool same = t.ndim == ndim;
+    for (int i = 0; same && i < ndim; ++i) same = t.shape[i] == expected[i];
+    if (same) return;
+    TensorView want;
+    want.ndim = ndim;
+    for (int i = 0; i < ndim; ++i) want.shape[i] = expected[i];
+    fail("argument '", name, "' must have shape ", shape_string(want), *layout ? " " : "",
+         layout, ", got ", shape_string(t));
+  }
   void unit_last_stride(const TensorView& t, const char* name) const {
     if (t.ndim > 0 && t.shape[t.ndim - 1] > 1 && t.stride[t.ndim - 1] != 1)
       throw_value_error(function_, ": argument '", name,

@@ -27,18 +27,7 @@ void float_dtype(const ArgChecker& check, const TensorView& t, const char* name)
 void shape_is(const ArgChecker& check, const TensorView& t, const char* name,
               std::initializer_list<std::int64_t> shape, const char* layout) {
   check.ndim(t, name, static_cast<int>(shape.size()), layout);
-  int d = 0;
-  for (std::int64_t s : shape) {
-    if (t.shape[d] != s) {
-      TensorView expected;
-      expected.ndim = static_cast<int>(shape.size());
-      int i = 0;
-      for (std::int64_t e : shape) expected.shape[i++] = e;
-      check.fail("argument '", name, "' must have shape ", shape_string(expected), " ", layout,
-                 ", got ", shape_string(t));
-    }
-    ++d;
-  }
+  check.shape(t, name, shape.begin(), static_cast<int>(shape.size()), layout);
 }
 
 // An int32 [length] vector on `device`; with need_data, also a data pointer (describe_*
