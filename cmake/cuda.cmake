@@ -30,3 +30,29 @@ if(VIDATTN_CUDA_SOURCES)
   target_link_libraries(vidattn PRIVATE CUDA::cudart)
   set(VIDATTN_HAVE_CUDA_SOURCES ON)
 endif()
+
+# CUTLASS / CuTe headers for the Hopper kernels (wgmma and TMA atoms, pipelines), pinned from
+# PyPI (nvidia-cutlass ships them in cutlass_library/source/include). Header-only: nothing of
+# it is installed with vidattn. VIDATTN_CUTLASS_INCLUDE overrides the lookup.
+set(VIDATTN_CUTLASS_INCLUDE "" CACHE PATH "CUTLASS include directory (holds cute/ and cutlass/)")
+if(NOT VIDATTN_CUTLASS_INCLUDE)
+  find_package(Python COMPONENTS Interpreter QUIET)
+  if(Python_Interpreter_FOUND)
+    execute_process(
+      COMMAND ${Python_EXECUTABLE} -c
+        "import os, cutlass_library; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))"
+      OUTPUT_VARIABLE _vidattn_cutlass OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+    if(_vidattn_cutlass AND EXISTS "${_vidattn_cutlass}/cute/tensor.hpp")
+      set(VIDATTN_CUTLASS_INCLUDE "${_vidattn_cutlass}" CACHE PATH "" FORCE)
+    endif()
+  endif()
+endif()
+if(VIDATTN_CUTLASS_INCLUDE)
+  message(STATUS "vidattn: CUTLASS headers at ${VIDATTN_CUTLASS_INCLUDE}")
+  if(TARGET vidattn_cuda)
+    target_include_directories(vidattn_cuda SYSTEM PRIVATE ${VIDATTN_CUTLASS_INCLUDE})
+    target_compile_definitions(vidattn_cuda PRIVATE VIDATTN_WITH_CUTLASS=1)
+  endif()
+else()
+  message(STATUS "vidattn: no CUTLASS headers (pip install nvidia-cutlass==4.2.0.0); the Hopper path is not built")
+endif()

@@ -19,6 +19,12 @@ LOGS=$OUT/logs
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)/python${PYTHONPATH:+:$PYTHONPATH}
 declare -a SUMMARY=()
+# The GPU machine has no network: wheels carried in .whl/ (nvidia-cutlass for the Hopper
+# headers, fastvideo-kernel for the bench's peer) install into a private site folder.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/vidattn-site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/vidattn-site
+fi
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 # stage NAME TIMEOUT_S CMD...: runs CMD with a time limit, logs to $LOGS/NAME.log.
 stage() {
