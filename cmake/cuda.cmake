@@ -8,9 +8,12 @@ if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
   set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
   set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
 endif()
-set(VIDATTN_CUDA_GENCODE
-  -gencode=arch=compute_80,code=sm_80
-  -gencode=arch=compute_90a,code=sm_90a)
+# VIDATTN_CUDA_TARGETS picks a subset while developing (e.g. "90a" on a Hopper machine).
+set(VIDATTN_CUDA_TARGETS "80;90a" CACHE STRING "GPU targets to compile: 80 and/or 90a")
+set(VIDATTN_CUDA_GENCODE "")
+foreach(_target IN LISTS VIDATTN_CUDA_TARGETS)
+  list(APPEND VIDATTN_CUDA_GENCODE -gencode=arch=compute_${_target},code=sm_${_target})
+endforeach()
 # -O3 and -lineinfo (sanitizer / profiler source lines, no speed cost). No --use_fast_math:
 # the kernels call the fast exp2 (ex2.approx) explicitly where they want it, and everything
 # else (log of the LSE, divisions) stays IEEE.
