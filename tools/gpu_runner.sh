@@ -7,6 +7,7 @@
 #   OUT=/tmp/run bash tools/gpu_runner.sh            # everything
 #   STAGES="build pytest" bash tools/gpu_runner.sh   # a subset (build pytest cpp sanitizer bench bench_dense)
 #   PYTEST_ARGS="-k cuda" bash tools/gpu_runner.sh   # extra pytest arguments
+#   CMAKE_ARGS="-DVIDATTN_CUDA_TARGETS=90a" bash tools/gpu_runner.sh   # extra configure arguments
 #   VIDATTN_GIT_COMMIT=<hash> names the commit in the bench JSON when the tree has no .git
 #   BENCH_ARGS="--shapes gpu-dense --out $OUT/bench.json" bash tools/gpu_runner.sh
 set -uo pipefail
@@ -60,7 +61,7 @@ if has build; then
   if [ -n "$(find /usr /opt -name GTestConfig.cmake -print -quit 2>/dev/null)" ]; then tests_flag=ON; fi
   stage configure 120 cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
     -DVIDATTN_CUDA=ON -DVIDATTN_BUILD_TORCH=ON -DVIDATTN_BUILD_TESTS=$tests_flag \
-    -DPython_EXECUTABLE="$(command -v $PYTHON)" || BUILD_OK=0
+    -DPython_EXECUTABLE="$(command -v $PYTHON)" ${CMAKE_ARGS:-} || BUILD_OK=0
   if [ $BUILD_OK = 1 ]; then
     stage build 300 cmake --build build/gpu -j "$JOBS" && cp build/gpu/_vidattn_ops.so python/vidattn/ || BUILD_OK=0
   fi
