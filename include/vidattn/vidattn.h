@@ -7,3 +7,4 @@
 #include "vidattn/tensor_view.h"
 #include "vidattn/version.h"
 #include "vidattn/vsa.h"
+#include "vidattn/vsa_combine.h"

@@ -266,8 +266,8 @@ def video_sparse_attention(
     o_s, _ = _ops.block_sparse_attention(
         q, k, v, q2k_index, q2k_count, tile_volume=volume, q_block_sizes=tiling.block_sizes,
         kv_block_sizes=kv_tiling.block_sizes, scale=scale)
-    o_c = tiling.broadcast_tiles(o_c)
-    out = (o_c * gate if gate is not None else o_c) + o_s
+    # out = o_s + gate * (o_c on each tile's valid slots), in one pass.
+    out = _ops.vsa_combine(o_s, o_c, gate, tiling.block_sizes, volume)
     return (out, (q2k_index, q2k_count)) if return_selection else out
 
 

@@ -66,7 +66,7 @@ namespace {
 using cpu::Storage;
 using cpu::visit_float_dtype;
 
-int threads_of(int n) { return n > 0 ? n : omp_get_max_threads(); }
+using cpu_vsa::threads_of;
 
 std::int32_t* int_data(const TensorView& t) { return static_cast<std::int32_t*>(t.data); }
 

@@ -1,6 +1,8 @@
 // Pieces of the CPU VSA backend shared by vsa_cpu.cpp and the block-sparse attention.
 #pragma once
 
+#include <omp.h>
+
 #include <cstdint>
 #include <vector>
 
@@ -8,6 +10,9 @@
 #include "vidattn/tensor_view.h"
 
 namespace vidattn::detail::cpu_vsa {
+
+// OpenMP threads for a `num_threads` argument (0: the OpenMP default).
+inline int threads_of(int n) { return n > 0 ? n : omp_get_max_threads(); }
 
 // Element (i) of an int32 vector view, any stride.
 inline std::int32_t int_at(const TensorView& t, std::int64_t i) {

@@ -1,0 +1,186 @@
+// Validation and backend dispatch of the fused VSA combine (vidattn/vsa_combine.h).
+#include "vidattn/vsa_combine.h"
+
+#include <stdexcept>
+
+#include "check.h"
+#include "vidattn/vsa.h"
+#include "vsa_combine_backends.h"
+
+#if VIDATTN_WITH_CUDA
+#include "../cuda/vsa_combine_launch.h"
+#endif
+
+namespace vidattn {
+namespace {
+
+using detail::ArgChecker;
+
+bool is_float(DType t) {
+  return t == DType::kFloat32 || t == DType::kFloat16 || t == DType::kBFloat16 ||
+         t == DType::kFloat64;
+}
+
+struct CombineShape {
+  std::int64_t batch, tiles, heads, head_dim;
+};
+
+// `slots` is the tiled tensor every full-size argument must match (fine or grad_out);
+// `coarse` is [B, Tiles, H, D]. Checks dtype, device, shapes, strides and data.
+CombineShape check_combine(const ArgChecker& check, const TensorView& slots,
+                           const char* slots_name, const TensorView& coarse,
+                           const std::optional<TensorView>& gate, const TensorView& block_sizes,
+                           std::int64_t tile_volume) {
+  if (!is_supported_tile_volume(tile_volume))
+    check.fail("tile volume must be 64, 128 or 256, got ", tile_volume);
+  check.ndim(slots, slots_name, 4, "[B, Tiles * V, H, D]");
+  if (!is_float(slots.dtype))
+    detail::throw_type_error(check.function(), ": argument '", slots_name,
+                             "' must be float32, float16, bfloat16 or float64, got ",
+                             dtype_name(slots.dtype));
+  if (slots.shape[1] % tile_volume != 0)
+    check.fail("argument '", slots_name, "' has ", slots.shape[1],
+               " slots, not a multiple of the tile volume ", tile_volume);
+  const CombineShape s{slots.shape[0], slots.shape[1] / tile_volume, slots.shape[2],
+                       slots.shape[3]};
+  const std::int64_t coarse_shape[4] = {s.batch, s.tiles, s.heads, s.head_dim};
+  check.shape(coarse, "coarse", coarse_shape, 4, "[B, Tiles, H, D]");
+  check.dtype(coarse, "coarse", slots.dtype);
+  check.same_device(coarse, "coarse", slots.device);
+  if (gate) {
+    check.shape(*gate, "gate", slots.shape, 4, "(the tiled shape)");
+    check.dtype(*gate, "gate", slots.dtype);
+    check.same_device(*gate, "gate", slots.device);
+    check.unit_last_stride(*gate, "gate");
+    check.non_null(*gate, "gate");
+  }
+  check.ndim(block_sizes, "block_sizes", 1, "[Tiles]");
+  check.dtype(block_sizes, "block_sizes", DType::kInt32);
+  check.same_device(block_sizes, "block_sizes", slots.device);
+  check.dim_equals(block_sizes, "block_sizes", 0, s.tiles, "one entry per tile");
+  check.non_null(block_sizes, "block_sizes");
+  check.unit_last_stride(slots, slots_name);
+  check.unit_last_stride(coarse, "coarse");
+  check.non_null(slots, slots_name);
+  check.non_null(coarse, "coarse");
+  return s;
+}
+
+void check_output(const ArgChecker& check, const TensorView& out, const char* name,
+                  const TensorView& like) {
+  check.shape(out, name, like.shape, like.ndim);
+  check.dtype(out, name, like.dtype);
+  check.same_device(out, name, like.device);
+  check.unit_last_stride(out, name);
+  check.non_null(out, name);
+}
+
+#if VIDATTN_WITH_CUDA
+bool aligned16(const TensorView& t) {
+  if (reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0) return false;
+  const std::int64_t elems = 16 / static_cast<std::int64_t>(dtype_size(t.dtype));
+  for (int d = 0; d + 1 < t.ndim; ++d)
+    if (t.shape[d] > 1 && t.stride[d] % elems != 0) return false;
+  return true;
+}
+
+void copy_strides(std::int64_t (&dst)[3], const TensorView& t) {
+  for (int d = 0; d < 3; ++d) dst[d] = t.stride[d];
+}
+
+detail::CombineLaunchParams launch_params(const CombineShape& s, const TensorView& slots,
+                                          const TensorView& coarse,
+                                          const std::optional<TensorView>& gate,
+                                          const TensorView& block_sizes,
+                                          std::int64_t tile_volume, void* stream) {
+  static_assert(int(DType::kFloat32) == 0 && int(DType::kFloat16) == 1 &&
+                int(DType::kBFloat16) == 2 && int(DType::kFloat64) == 3);
+  detail::CombineLaunchParams lp;
+  lp.fine = slots.data;
+  lp.coarse = coarse.data;
+  lp.gate = gate ? gate->data : nullptr;
+  lp.block_sizes = static_cast<const std::int32_t*>(block_sizes.data);
+  lp.block_sizes_stride = block_sizes.stride[0];
+  lp.dtype = int(slots.dtype);
+  lp.batch = s.batch, lp.tiles = s.tiles, lp.tile_volume = tile_volume;
+  lp.heads = s.heads, lp.head_dim = s.head_dim;
+  copy_strides(lp.fine_stride, slots);
+  copy_strides(lp.coarse_stride, coarse);
+  if (gate) copy_strides(lp.gate_stride, *gate);
+  lp.vectorize = aligned16(slots) && aligned16(coarse) && (!gate || aligned16(*gate));
+  lp.stream = stream;
+  return lp;
+}
+
+void throw_if(const char* function, const char* error) {
+  if (error) throw std::runtime_error(detail::concat(function, ": CUDA error: ", error));
+}
+#endif
+
+[[maybe_unused]] bool on_cpu(const TensorView& t) { return t.device.kind == DeviceKind::kCPU; }
+
+}  // namespace
+
+void vsa_combine(const TensorView& fine, const TensorView& coarse,
+                 const std::optional<TensorView>& gate, const TensorView& block_sizes,
+                 std::int64_t tile_volume, const TensorView& out, int num_threads,
+                 void* stream) {
+  constexpr const char* kFn = "vidattn::vsa_combine";
+  const ArgChecker check(kFn);
+  const CombineShape s = check_combine(check, fine, "fine", coarse, gate, block_sizes, tile_volume);
+  check_output(check, out, "out", fine);
+  if (fine.numel() == 0) return;
+  if (on_cpu(fine))
+    return detail::cpu_vsa_combine(fine, coarse, gate, block_sizes, tile_volume, out,
+                                   num_threads);
+#if VIDATTN_WITH_CUDA
+  detail::CombineLaunchParams lp =
+      launch_params(s, fine, coarse, gate, block_sizes, tile_volume, stream);
+  lp.out = out.data;
+  copy_strides(lp.out_stride, out);
+  lp.vectorize = lp.vectorize && aligned16(out);
+  throw_if(kFn, detail::launch_vsa_combine_cuda(lp));
+#else
+  (void)s, (void)stream;
+  throw NotImplementedError(
+      detail::concat(kFn, ": this build of vidattn has no CUDA backend; pass CPU tensors"));
+#endif
+}
+
+void vsa_combine_backward(const TensorView& grad_out, const TensorView& coarse,
+                          const std::optional<TensorView>& gate, const TensorView& block_sizes,
+                          std::int64_t tile_volume, const TensorView& grad_coarse,
+                          const std::optional<TensorView>& grad_gate, int num_threads,
+                          void* stream) {
+  constexpr const char* kFn = "vidattn::vsa_combine_backward";
+  const ArgChecker check(kFn);
+  const CombineShape s =
+      check_combine(check, grad_out, "grad_out", coarse, gate, block_sizes, tile_volume);
+  check_output(check, grad_coarse, "grad_coarse", coarse);
+  if (grad_gate) {
+    if (!gate) check.fail("argument 'grad_gate' needs 'gate'");
+    check_output(check, *grad_gate, "grad_gate", grad_out);
+  }
+  if (coarse.numel() == 0 && grad_out.numel() == 0) return;
+  if (on_cpu(grad_out))
+    return detail::cpu_vsa_combine_backward(grad_out, coarse, gate, block_sizes, tile_volume,
+                                            grad_coarse, grad_gate, num_threads);
+#if VIDATTN_WITH_CUDA
+  detail::CombineLaunchParams lp =
+      launch_params(s, grad_out, coarse, gate, block_sizes, tile_volume, stream);
+  lp.grad_coarse = grad_coarse.data;
+  copy_strides(lp.grad_coarse_stride, grad_coarse);
+  if (grad_gate) {
+    lp.grad_gate = grad_gate->data;
+    copy_strides(lp.grad_gate_stride, *grad_gate);
+  }
+  lp.vectorize = lp.vectorize && aligned16(grad_coarse) && (!grad_gate || aligned16(*grad_gate));
+  throw_if(kFn, detail::launch_vsa_combine_backward_cuda(lp));
+#else
+  (void)s, (void)stream;
+  throw NotImplementedError(
+      detail::concat(kFn, ": this build of vidattn has no CUDA backend; pass CPU tensors"));
+#endif
+}
+
+}  // namespace vidattn

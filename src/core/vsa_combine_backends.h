@@ -1,0 +1,21 @@
+// Backend entry points of the fused VSA combine; calls arrive validated by vsa_combine.cpp.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+
+#include "vidattn/tensor_view.h"
+
+namespace vidattn::detail {
+
+// The block sizes are host data here (CPU tensors), checked to lie in [0, tile_volume].
+void cpu_vsa_combine(const TensorView& fine, const TensorView& coarse,
+                     const std::optional<TensorView>& gate, const TensorView& block_sizes,
+                     std::int64_t tile_volume, const TensorView& out, int num_threads);
+void cpu_vsa_combine_backward(const TensorView& grad_out, const TensorView& coarse,
+                              const std::optional<TensorView>& gate,
+                              const TensorView& block_sizes, std::int64_t tile_volume,
+                              const TensorView& grad_coarse,
+                              const std::optional<TensorView>& grad_gate, int num_threads);
+
+}  // namespace vidattn::detail

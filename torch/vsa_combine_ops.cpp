@@ -1,0 +1,158 @@
+// The fused VSA combine op: schema, CPU / CUDA / Meta kernels and autograd on the op.
+// out = fine + gate * coarse broadcast over each tile's valid slots (vidattn/vsa_combine.h).
+#include <ATen/ATen.h>
+#include <ATen/DeviceGuard.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#ifdef VIDATTN_TORCH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
+#include "tensor_adapter.h"
+#include "vidattn/vsa_combine.h"
+
+namespace vidattn::torch_ops {
+namespace {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+void* stream_of(const Tensor& t) {
+#ifdef VIDATTN_TORCH_CUDA
+  if (t.is_cuda()) return at::cuda::getCurrentCUDAStream(t.get_device()).stream();
+#endif
+  (void)t;
+  return nullptr;
+}
+
+void require_int32(const Tensor& t, const char* fn, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, fn, ": argument '", name,
+                   "' must have dtype int32, got ", t.scalar_type());
+}
+
+bool has(const OptTensor& t) { return t && t->defined(); }
+
+Tensor vsa_combine_kernel(const Tensor& fine, const Tensor& coarse, const OptTensor& gate,
+                          const Tensor& block_sizes, int64_t tile_volume) {
+  constexpr const char* fn = "vidattn.vsa_combine";
+  const at::OptionalDeviceGuard device_guard(at::device_of(fine));
+  require_int32(block_sizes, fn, "block_sizes");
+  return translate_errors([&] {
+    const TensorView fv = view_of(fine, fn, "fine");
+    Tensor out = at::empty_like(fine, at::MemoryFormat::Contiguous);
+    vsa_combine(fv, view_of(coarse, fn, "coarse"), view_of(gate, fn, "gate"),
+                view_of(block_sizes, fn, "block_sizes"), tile_volume, view_of(out, fn, "out"),
+                at::get_num_threads(), stream_of(fine));
+    return out;
+  });
+}
+
+Tensor vsa_combine_meta(const Tensor& fine, const Tensor&, const OptTensor&, const Tensor&,
+                        int64_t) {
+  return at::empty_symint(fine.sym_sizes(), fine.options());
+}
+
+// grad_gate is an empty [0] tensor when there is no gate (op returns cannot be optional).
+std::tuple<Tensor, Tensor> vsa_combine_backward_kernel(const Tensor& grad_out,
+                                                       const Tensor& coarse,
+                                                       const OptTensor& gate,
+                                                       const Tensor& block_sizes,
+                                                       int64_t tile_volume) {
+  constexpr const char* fn = "vidattn.vsa_combine_backward";
+  const at::OptionalDeviceGuard device_guard(at::device_of(grad_out));
+  require_int32(block_sizes, fn, "block_sizes");
+  return translate_errors([&] {
+    const TensorView gv = view_of(grad_out, fn, "grad_out");
+    Tensor grad_coarse = at::empty_like(coarse, at::MemoryFormat::Contiguous);
+    Tensor grad_gate = has(gate) ? at::empty_like(grad_out, at::MemoryFormat::Contiguous)
+                                 : at::empty({0}, grad_out.options());
+    vsa_combine_backward(gv, view_of(coarse, fn, "coarse"), view_of(gate, fn, "gate"),
+                         view_of(block_sizes, fn, "block_sizes"), tile_volume,
+                         view_of(grad_coarse, fn, "grad_coarse"),
+                         has(gate) ? std::optional<TensorView>(view_of(grad_gate, fn, "grad_gate"))
+                                   : std::nullopt,
+                         at::get_num_threads(), stream_of(grad_out));
+    return std::make_tuple(grad_coarse, grad_gate);
+  });
+}
+
+std::tuple<Tensor, Tensor> vsa_combine_backward_meta(const Tensor& grad_out,
+                                                     const Tensor& coarse, const OptTensor& gate,
+                                                     const Tensor&, int64_t) {
+  Tensor grad_gate = has(gate) ? at::empty_symint(grad_out.sym_sizes(), grad_out.options())
+                               : at::empty({0}, grad_out.options());
+  return std::make_tuple(at::empty_symint(coarse.sym_sizes(), coarse.options()), grad_gate);
+}
+
+template <class Signature>
+auto find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+class VsaCombineFunction : public torch::autograd::Function<VsaCombineFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& fine, const Tensor& coarse,
+                        const OptTensor& gate, const Tensor& block_sizes, int64_t tile_volume) {
+    static auto op = find_op<decltype(vsa_combine_kernel)>("vidattn::vsa_combine");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->save_for_backward({coarse, has(gate) ? *gate : Tensor(), block_sizes});
+    ctx->saved_data["tile_volume"] = tile_volume;
+    return op.call(fine, coarse, gate, block_sizes, tile_volume);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op =
+        find_op<decltype(vsa_combine_backward_kernel)>("vidattn::vsa_combine_backward");
+    const auto saved = ctx->get_saved_variables();
+    const Tensor grad = unit_stride_grad(grads[0]);
+    const OptTensor gate = saved[1].defined() ? OptTensor(saved[1]) : std::nullopt;
+    auto [grad_coarse, grad_gate] =
+        op.call(grad, saved[0], gate, saved[2], ctx->saved_data["tile_volume"].toInt());
+    // d out / d fine is the identity.
+    return {grads[0], grad_coarse, gate ? grad_gate : Tensor(), Tensor(), Tensor()};
+  }
+};
+
+Tensor vsa_combine_autograd(const Tensor& fine, const Tensor& coarse, const OptTensor& gate,
+                            const Tensor& block_sizes, int64_t tile_volume) {
+  return VsaCombineFunction::apply(fine, coarse, gate, block_sizes, tile_volume);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(vidattn, m) {
+  const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
+  m.def("vsa_combine(Tensor fine, Tensor coarse, Tensor? gate, Tensor block_sizes, "
+        "int tile_volume) -> Tensor",
+        tags);
+  m.def("vsa_combine_backward(Tensor grad_out, Tensor coarse, Tensor? gate, "
+        "Tensor block_sizes, int tile_volume) -> (Tensor grad_coarse, Tensor grad_gate)",
+        tags);
+}
+
+TORCH_LIBRARY_IMPL(vidattn, CPU, m) {
+  m.impl("vsa_combine", &vsa_combine_kernel);
+  m.impl("vsa_combine_backward", &vsa_combine_backward_kernel);
+}
+
+#ifdef VIDATTN_TORCH_CUDA
+TORCH_LIBRARY_IMPL(vidattn, CUDA, m) {
+  m.impl("vsa_combine", &vsa_combine_kernel);
+  m.impl("vsa_combine_backward", &vsa_combine_backward_kernel);
+}
+#endif
+
+TORCH_LIBRARY_IMPL(vidattn, Meta, m) {
+  m.impl("vsa_combine", &vsa_combine_meta);
+  m.impl("vsa_combine_backward", &vsa_combine_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(vidattn, Autograd, m) {
+  m.impl("vsa_combine", &vsa_combine_autograd);
+}
+
+}  // namespace vidattn::torch_ops
