@@ -518,16 +518,20 @@ const char* launch_vsa_select_topk(const VsaTopkLaunch& p, bool* error_is_limit)
   }
   const DeviceScope scope(p.device);
   if (scope.error()) return scope.error();
-  int max_smem = 0;
+  int max_smem = 0, sms = 0;
   if (cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device) !=
-      cudaSuccess)
+          cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device) != cudaSuccess)
     return "cudaDeviceGetAttribute failed";
   const char* error = nullptr;
   visit_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     using Acc = AccOf<T>;
     // As many query tiles per CTA as shared memory holds rows of scores for.
+    // Fewer rows per CTA when that is needed to give every SM a few CTAs (each row's scores
+    // are computed the same way whatever the grouping, so results do not depend on it).
     int rows = kRowsMax;
+    while (rows > 4 && ((p.q_tiles + rows - 1) / rows) * p.heads_q * p.batch < 4 * sms) rows /= 2;
     while (rows > 1 && topk_smem_bytes<Acc>(rows, p.k_tiles) > std::size_t(max_smem)) rows /= 2;
     const std::size_t bytes = topk_smem_bytes<Acc>(rows, p.k_tiles);
     if (bytes > std::size_t(max_smem)) {
