@@ -155,33 +155,29 @@ __global__ void vsa_tile_mean_pool_kernel(VsaPoolLaunch p) {
   }
 }
 
-// grad_x[b, t * V + s, h, d] = grad_out[b, t, h, d] / n for s < n, else 0.
-template <class T>
+// grad_x[b, t * V + s, h, d] = grad_out[b, t, h, d] / n for s < n, else 0. A block is 8 rows
+// (b, slot, h) of 32 lanes that stride over d: the row's index arithmetic (in `Index`, 32-bit
+// when it fits) is paid once per row, not per element.
+template <class T, class Index>
 __global__ void vsa_tile_mean_pool_backward_kernel(VsaPoolLaunch p) {
   using Acc = AccOf<T>;
   const auto* g = static_cast<const T*>(p.x);
   auto* out = static_cast<T*>(p.out);
-  const std::int64_t V = p.tile_volume;
-  const std::int64_t total = p.batch * p.tiles * V * p.heads * p.head_dim;
-  const std::int64_t step = std::int64_t(gridDim.x) * blockDim.x;
-  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += step) {
-    const std::int64_t d = i % p.head_dim;
-    std::int64_t r = i / p.head_dim;
-    const std::int64_t h = r % p.heads;
-    r /= p.heads;
-    const std::int64_t slot = r % (p.tiles * V), b = r / (p.tiles * V);
-    const std::int64_t t = slot / V, s = slot % V;
+  const Index V = Index(p.tile_volume), H = Index(p.heads), slots = Index(p.tiles) * V;
+  const Index rows = Index(p.batch) * slots * H;
+  const Index step = Index(gridDim.x) * blockDim.y;
+  for (Index row = Index(blockIdx.x) * blockDim.y + threadIdx.y; row < rows; row += step) {
+    const Index h = row % H, bs = row / H;
+    const Index slot = bs % slots, b = bs / slots;
+    const Index t = slot / V, s = slot % V;
     const std::int64_t n = clamped_size(p, t);
-    Acc v = Acc(0);
-    if (s < n) {
-      const Acc inv = Acc(1) / Acc(n);
-      v = Io<T>::template load<Acc>(
-              g[b * p.x_stride[0] + t * p.x_stride[1] + h * p.x_stride[2] + d]) *
-          inv;
-    }
-    out[b * p.out_stride[0] + slot * p.out_stride[1] + h * p.out_stride[2] + d] =
-        Io<T>::template store<Acc>(v);
+    const T* src = g + std::int64_t(b) * p.x_stride[0] + std::int64_t(t) * p.x_stride[1] +
+                   std::int64_t(h) * p.x_stride[2];
+    T* dst = out + std::int64_t(b) * p.out_stride[0] + std::int64_t(slot) * p.out_stride[1] +
+             std::int64_t(h) * p.out_stride[2];
+    const Acc inv = n > 0 ? Acc(1) / Acc(n) : Acc(0);
+    for (std::int64_t d = threadIdx.x; d < p.head_dim; d += 32)
+      dst[d] = Io<T>::template store<Acc>(s < n ? Io<T>::template load<Acc>(src[d]) * inv : Acc(0));
   }
 }
 
@@ -283,10 +279,10 @@ __device__ void warp_select_row(const Score& score, int n, int k, int max_k, int
 }
 
 constexpr int kTopkThreads = 128;  // 4 warps
-constexpr int kRowsMax = 16;       // query tiles scored together (4 per warp-row group)
+constexpr int kRowsMax = 16;       // query tiles scored together at most (4 per warp)
 constexpr int kKeyChunk = 256;     // key tiles per product step (8 per lane)
-constexpr int kDSlice = 16;        // head-dim slice staged in shared memory
-constexpr int kKeyPad = 2;         // keeps the transposed k stores free of bank conflicts
+constexpr int kDSlice = 32;        // head-dim slice staged in shared memory
+constexpr int kKeyPad = 1;         // keeps the transposed k stores free of bank conflicts
 
 template <class Acc>
 std::size_t topk_smem_bytes(int rows, std::int64_t k_tiles) {
@@ -341,14 +337,62 @@ __device__ int row_topk(const VsaTopkLaunch& p, int n) {
   return int(want < n ? want : n);
 }
 
-template <class T>
+// Stages k[kc .. kc + kKeyChunk) x [ds, ds + kDSlice) into ks (transposed, as Acc). With kVec,
+// each thread copies 16-byte runs of the head dim (the launcher checks alignment and that
+// D is a multiple of the run); the loads of a thread are independent and issued together.
+template <class T, bool kVec>
+__device__ __forceinline__ void stage_keys(const T* k, std::int64_t key_stride, int kc, int kmax,
+                                           std::int64_t ds, std::int64_t D, float* ks_f,
+                                           double* ks_d) {
+  using Acc = AccOf<T>;
+  Acc* ks = [&] {
+    if constexpr (std::is_same<Acc, double>::value) return ks_d;
+    else return ks_f;
+  }();
+  constexpr int kStride = kKeyChunk + kKeyPad;
+  if constexpr (kVec) {
+    constexpr int kRun = 16 / int(sizeof(T));            // elements per 16-byte load
+    constexpr int kRunsPerKey = kDSlice / kRun;
+    constexpr int kLoads = kKeyChunk * kRunsPerKey / kTopkThreads;
+    uint4 buf[kLoads];
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      const int e = threadIdx.x + l * kTopkThreads;
+      const int key = e / kRunsPerKey, d0 = (e % kRunsPerKey) * kRun;
+      const std::int64_t j = std::int64_t(kc) + key;
+      buf[l] = make_uint4(0, 0, 0, 0);
+      if (j < kmax && ds + d0 < D)
+        buf[l] = *reinterpret_cast<const uint4*>(k + j * key_stride + ds + d0);
+    }
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      const int e = threadIdx.x + l * kTopkThreads;
+      const int key = e / kRunsPerKey, d0 = (e % kRunsPerKey) * kRun;
+      const T* v = reinterpret_cast<const T*>(&buf[l]);
+#pragma unroll
+      for (int i = 0; i < kRun; ++i) ks[(d0 + i) * kStride + key] = Io<T>::template load<Acc>(v[i]);
+    }
+  } else {
+    for (int e = threadIdx.x; e < kKeyChunk * kDSlice; e += kTopkThreads) {
+      const int key = e / kDSlice, dd = e % kDSlice;  // consecutive threads: consecutive d
+      const std::int64_t j = std::int64_t(kc) + key;
+      ks[dd * kStride + key] = (j < kmax && ds + dd < D)
+                                   ? Io<T>::template load<Acc>(k[j * key_stride + ds + dd])
+                                   : Acc(0);
+    }
+  }
+}
+
+// kRowsPerWarp: 4 (16 query tiles per CTA) or 2 (8, when the grid would be too small).
+template <class T, int kRowsPerWarp, bool kVec>
 __global__ void __launch_bounds__(kTopkThreads) vsa_select_topk_kernel(VsaTopkLaunch p, int rows) {
   using Acc = AccOf<T>;
+  constexpr int kRows = 4 * kRowsPerWarp;
   extern __shared__ __align__(16) unsigned char smem[];
   const std::int64_t k_cap = p.k_tiles;
   Acc* scores = reinterpret_cast<Acc*>(smem);                 // [rows][k_cap]
   Acc* ks = scores + std::int64_t(rows) * k_cap;              // [kDSlice][kKeyChunk + pad]
-  Acc* qs = ks + kDSlice * (kKeyChunk + kKeyPad);             // [kRowsMax][kDSlice]
+  Acc* qs = ks + kDSlice * (kKeyChunk + kKeyPad);             // [kRows][kDSlice]
   int* hist = reinterpret_cast<int*>(qs + kRowsMax * kDSlice);  // [4][256]
   int* row_k0 = hist + 4 * 256;
   int* row_n = row_k0 + kRowsMax;
@@ -376,47 +420,40 @@ __global__ void __launch_bounds__(kTopkThreads) vsa_select_topk_kernel(VsaTopkLa
     }
   if (kmax == 0) kmin = 0;
 
-  const int row_group = warp;  // rows 4 * warp .. 4 * warp + 3
   for (int kc = kmin; kc < kmax; kc += kKeyChunk) {
-    Acc acc[4][8];
+    Acc acc[kRowsPerWarp][8];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < kRowsPerWarp; ++i)
 #pragma unroll
       for (int j = 0; j < 8; ++j) acc[i][j] = Acc(0);
     for (std::int64_t ds = 0; ds < p.head_dim; ds += kDSlice) {
       __syncthreads();  // the previous slice has been read
-      for (int e = tid; e < kRowsMax * kDSlice; e += kTopkThreads) {
+      for (int e = tid; e < kRows * kDSlice; e += kTopkThreads) {
         const int r = e / kDSlice, dd = e % kDSlice;
         const std::int64_t t = t0 + r;
         qs[e] = (r < rows && t < p.q_tiles && ds + dd < p.head_dim)
                     ? Io<T>::template load<Acc>(q[t * p.q_stride[1] + ds + dd])
                     : Acc(0);
       }
-      for (int e = tid; e < kKeyChunk * kDSlice; e += kTopkThreads) {
-        const int key = e / kDSlice, dd = e % kDSlice;  // consecutive threads: consecutive d
-        const std::int64_t j = std::int64_t(kc) + key;
-        ks[dd * (kKeyChunk + kKeyPad) + key] =
-            (j < kmax && ds + dd < p.head_dim)
-                ? Io<T>::template load<Acc>(k[j * p.k_stride[1] + ds + dd])
-                : Acc(0);
-      }
+      stage_keys<T, kVec>(k, p.k_stride[1], kc, kmax, ds, p.head_dim,
+                          reinterpret_cast<float*>(ks), reinterpret_cast<double*>(ks));
       __syncthreads();
-#pragma unroll
+#pragma unroll 8
       for (int dd = 0; dd < kDSlice; ++dd) {
-        Acc qv[4], kv[8];
+        Acc qv[kRowsPerWarp], kv[8];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) qv[i] = qs[(row_group * 4 + i) * kDSlice + dd];
+        for (int i = 0; i < kRowsPerWarp; ++i) qv[i] = qs[(warp * kRowsPerWarp + i) * kDSlice + dd];
 #pragma unroll
         for (int j = 0; j < 8; ++j) kv[j] = ks[dd * (kKeyChunk + kKeyPad) + lane + 32 * j];
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < kRowsPerWarp; ++i)
 #pragma unroll
           for (int j = 0; j < 8; ++j) acc[i][j] = fma(qv[i], kv[j], acc[i][j]);
       }
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = row_group * 4 + i;
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const int r = warp * kRowsPerWarp + i;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int key = kc + lane + 32 * j;
@@ -501,9 +538,16 @@ const char* launch_vsa_tile_mean_pool(const VsaPoolLaunch& p) {
   const unsigned grid = grid_for(total, kThreads);
   visit_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
-    if (p.backward)
-      vsa_tile_mean_pool_backward_kernel<T><<<grid, kThreads, 0, stream>>>(p);
-    else
+    if (p.backward) {
+      const std::int64_t rows = p.batch * p.tiles * p.tile_volume * p.heads;
+      const dim3 block(32, 8);
+      if (rows < (std::int64_t(1) << 31) - 65536 * 8)
+        vsa_tile_mean_pool_backward_kernel<T, std::uint32_t>
+            <<<grid_for(rows, 8), block, 0, stream>>>(p);
+      else
+        vsa_tile_mean_pool_backward_kernel<T, std::int64_t>
+            <<<grid_for(rows, 8), block, 0, stream>>>(p);
+    } else
       vsa_tile_mean_pool_kernel<T><<<grid, kThreads, 0, stream>>>(p);
   });
   return last_error();
@@ -528,10 +572,10 @@ const char* launch_vsa_select_topk(const VsaTopkLaunch& p, bool* error_is_limit)
     using T = decltype(tag);
     using Acc = AccOf<T>;
     // As many query tiles per CTA as shared memory holds rows of scores for.
-    // Fewer rows per CTA when that is needed to give every SM a few CTAs (each row's scores
-    // are computed the same way whatever the grouping, so results do not depend on it).
-    int rows = kRowsMax;
-    while (rows > 4 && ((p.q_tiles + rows - 1) / rows) * p.heads_q * p.batch < 4 * sms) rows /= 2;
+    // 8 query tiles per CTA instead of 16 when that is needed to give every SM a few CTAs
+    // (each row's scores are computed the same way whatever the grouping).
+    const bool half = ((p.q_tiles + kRowsMax - 1) / kRowsMax) * p.heads_q * p.batch < 4 * sms;
+    int rows = half ? kRowsMax / 2 : kRowsMax;
     while (rows > 1 && topk_smem_bytes<Acc>(rows, p.k_tiles) > std::size_t(max_smem)) rows /= 2;
     const std::size_t bytes = topk_smem_bytes<Acc>(rows, p.k_tiles);
     if (bytes > std::size_t(max_smem)) {
@@ -539,18 +583,31 @@ const char* launch_vsa_select_topk(const VsaTopkLaunch& p, bool* error_is_limit)
       error = "too many key tiles per row for the CUDA selection's shared memory";
       return;
     }
-    if (cudaFuncSetAttribute(vsa_select_topk_kernel<T>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)) !=
-        cudaSuccess) {
+    // 16-byte loads of k when every run of the head dim they read is aligned.
+    const std::int64_t run = 16 / std::int64_t(sizeof(T));
+    const bool vec = !std::is_same<T, double>::value && p.head_dim % run == 0 &&
+                     p.k_stride[0] % run == 0 && p.k_stride[1] % run == 0 &&
+                     p.k_stride[2] % run == 0 && aligned(p.k, 16);
+    auto launch = [&](auto kernel) {
+      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)) !=
+          cudaSuccess) {
+        error = last_error();
+        if (!error) error = "cudaFuncSetAttribute failed";
+        return;
+      }
+      const dim3 grid(unsigned((p.q_tiles + rows - 1) / rows), unsigned(p.heads_q),
+                      unsigned(p.batch));
+      kernel<<<grid, kTopkThreads, bytes, static_cast<cudaStream_t>(p.stream)>>>(p, rows);
       error = last_error();
-      if (!error) error = "cudaFuncSetAttribute failed";
-      return;
+    };
+    if (rows <= kRowsMax / 2) {
+      if (vec) launch(vsa_select_topk_kernel<T, 2, true>);
+      else launch(vsa_select_topk_kernel<T, 2, false>);
+    } else {
+      if (vec) launch(vsa_select_topk_kernel<T, 4, true>);
+      else launch(vsa_select_topk_kernel<T, 4, false>);
     }
-    const dim3 grid(unsigned((p.q_tiles + rows - 1) / rows), unsigned(p.heads_q),
-                    unsigned(p.batch));
-    vsa_select_topk_kernel<T>
-        <<<grid, kTopkThreads, bytes, static_cast<cudaStream_t>(p.stream)>>>(p, rows);
-    error = last_error();
+    if (error) return;
   });
   return error;
 }
