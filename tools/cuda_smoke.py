@@ -25,6 +25,20 @@ def main() -> None:
             qv, kv, vv = rnd(75, 4, D, dtype=dtype), rnd(100, 2, D, dtype=dtype), rnd(100, 2, D, dtype=dtype)
             out = vidattn.attention_varlen(qv, kv, vv, cu_q, cu_k, 65, 63, causal=True)
             results += [out] + list(torch.autograd.grad(out, (qv, kv, vv), torch.ones_like(out)))
+    # VSA coarse stage: tile / untile, pooling (+ backward), top-k selection (plain, packed
+    # with sparsity, GQA) and the selection from given scores.
+    t = vidattn.VideoTiling(grids=[(5, 7, 9), (3, 9, 10)], tile=(4, 4, 4), device="cuda")
+    for dtype in (torch.bfloat16, torch.float32):
+        x = rnd(1, t.num_tokens, 4, 64, dtype=dtype)
+        xt = t.tile(x)
+        pooled = vidattn.tile_mean_pool(xt, t.block_sizes, t.tile_volume)
+        (gx,) = torch.autograd.grad(pooled, x, torch.ones_like(pooled))
+        kc = pooled.detach()[:, :, :2]
+        idx, cnt = vidattn.select_topk_tiles(pooled.detach(), kc, 5)
+        pidx, pcnt = vidattn.select_topk_tiles(pooled.detach(), kc, 5, sparsity=0.5,
+                                               cu_tiles_q=t.cu_tiles, cu_tiles_k=t.cu_tiles)
+        sidx, scnt = vidattn.topk_tiles_from_scores(torch.randn(1, 2, 9, 300, generator=g, device="cuda"), 17)
+        results += [t.untile(xt), pooled, gx] + [i.float() for i in (idx, cnt, pidx, pcnt, sidx, scnt)]
     torch.cuda.synchronize()
     bad = [i for i, t in enumerate(results) if not torch.isfinite(t).all()]
     print("cuda_smoke: tensors", len(results), "non-finite", bad)

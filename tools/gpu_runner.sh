@@ -81,7 +81,7 @@ if [ $BUILD_OK = 1 ]; then
   if has sanitizer; then
     for tool in memcheck racecheck; do
       stage "sanitizer_$tool" 150 compute-sanitizer --tool "$tool" --error-exitcode 3 \
-        --kernel-name kns=attention $PYTHON tools/cuda_smoke.py
+        --kernel-name kns=vidattn $PYTHON tools/cuda_smoke.py
     done
   fi
   if has bench; then

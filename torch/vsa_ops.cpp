@@ -10,6 +10,10 @@
 
 #include <vector>
 
+#ifdef VIDATTN_TORCH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
 #include "tensor_adapter.h"
 #include "vidattn/vsa.h"
 
@@ -22,6 +26,15 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 int threads() { return at::get_num_threads(); }
+
+// The stream the coarse-stage CUDA kernels run on: PyTorch's current stream of t's device.
+void* coarse_stream(const Tensor& t) {
+#ifdef VIDATTN_TORCH_CUDA
+  if (t.is_cuda()) return at::cuda::getCurrentCUDAStream(t.get_device()).stream();
+#endif
+  (void)t;
+  return nullptr;
+}
 
 template <class Signature>
 auto find_op(const char* name) {
@@ -99,7 +112,8 @@ Tensor gather_tokens_kernel(const Tensor& x, const Tensor& index, const Tensor& 
                       x.dim() > 1 ? x.size(1) : 0, "), got shape ", inverse_index.sizes(),
                       "; the tiling does not match the tensor's length");
     Tensor out = at::empty({x.size(0), index.size(0), x.size(2), x.size(3)}, x.options());
-    gather_tokens(xv, view_of(index, fn, "index"), view_of(out, fn, "out"), threads());
+    gather_tokens(xv, view_of(index, fn, "index"), view_of(out, fn, "out"), threads(),
+                  coarse_stream(x));
     return out;
   });
 }
@@ -151,7 +165,7 @@ Tensor tile_mean_pool_kernel(const Tensor& x, const Tensor& block_sizes, int64_t
                       ": tile volume must be 64, 128 or 256, got ", tile_volume);
     Tensor out = at::empty({x.size(0), x.size(1) / tile_volume, x.size(2), x.size(3)}, x.options());
     tile_mean_pool(xv, view_of(block_sizes, fn, "block_sizes"), tile_volume,
-                   view_of(out, fn, "out"), threads());
+                   view_of(out, fn, "out"), threads(), coarse_stream(x));
     return out;
   });
 }
@@ -178,7 +192,7 @@ Tensor tile_mean_pool_backward_kernel(const Tensor& grad_out, const Tensor& bloc
                            grad_out.size(3)},
                           grad_out.options());
     tile_mean_pool_backward(gv, view_of(block_sizes, fn, "block_sizes"), tile_volume,
-                            view_of(gx, fn, "grad_x"), threads());
+                            view_of(gx, fn, "grad_x"), threads(), coarse_stream(grad_out));
     return gx;
   });
 }
@@ -235,6 +249,7 @@ std::tuple<Tensor, Tensor> topk_tiles_kernel(const Tensor& q_pooled, const Tenso
     o.cu_tiles_q = view_of(cu_tiles_q, fn, "cu_tiles_q");
     o.cu_tiles_k = view_of(cu_tiles_k, fn, "cu_tiles_k");
     o.num_threads = threads();
+    o.stream = coarse_stream(q_pooled);
     const int64_t B = q_pooled.size(0), Qt = q_pooled.size(1), H = q_pooled.size(2);
     Tensor index = at::empty({B, H, Qt, topk_max_k(topk, k_pooled.size(1))},
                              q_pooled.options().dtype(at::kInt));
@@ -271,7 +286,7 @@ std::tuple<Tensor, Tensor> topk_tiles_from_scores_kernel(const Tensor& scores, i
                              scores.options().dtype(at::kInt));
     Tensor count = at::empty({s[0], s[1], s[2]}, scores.options().dtype(at::kInt));
     topk_tiles_from_scores(view_of(scores, fn, "scores"), topk, view_of(index, fn, "q2k_index"),
-                           view_of(count, fn, "q2k_count"), threads());
+                           view_of(count, fn, "q2k_count"), threads(), coarse_stream(scores));
     return std::make_tuple(index, count);
   });
 }
@@ -532,6 +547,17 @@ TORCH_LIBRARY_IMPL(vidattn, CPU, m) {
   m.impl("block_sparse_transpose_index", &transpose_index_kernel);
   m.impl("block_sparse_attention_backward", &block_sparse_backward_kernel);
 }
+
+#ifdef VIDATTN_TORCH_CUDA
+// The coarse-stage kernels: the core dispatches on the tensors' device, on the current stream.
+TORCH_LIBRARY_IMPL(vidattn, CUDA, m) {
+  m.impl("gather_tokens", &gather_tokens_kernel);
+  m.impl("tile_mean_pool", &tile_mean_pool_kernel);
+  m.impl("tile_mean_pool_backward", &tile_mean_pool_backward_kernel);
+  m.impl("topk_tiles", &topk_tiles_kernel);
+  m.impl("topk_tiles_from_scores", &topk_tiles_from_scores_kernel);
+}
+#endif
 
 TORCH_LIBRARY_IMPL(vidattn, Meta, m) {
   m.impl("gather_tokens", &gather_tokens_meta);

@@ -82,23 +82,27 @@ void tiling_metadata(const TilingLayout& layout, const TensorView& block_sizes,
 
 // out[b, i] = x[b, index[i]] for index[i] >= 0, else zeros; x [B, S, H, D], index int32 [N],
 // out [B, N, H, D]. tile = gather with slot_to_token, untile = gather with token_to_slot; the
-// backward of one is the other. Indices must lie in [-1, S).
+// backward of one is the other. Indices must lie in [-1, S) (checked on the CPU; on CUDA,
+// where a check would need a host sync, rows with other indices come out as zeros).
+// `stream` (a cudaStream_t) orders the CUDA kernels of this and the coarse-stage functions
+// below; nullptr is the default stream. No CUDA path synchronises with the host.
 void gather_tokens(const TensorView& x, const TensorView& index, const TensorView& out,
-                   int num_threads = 0);
+                   int num_threads = 0, void* stream = nullptr);
 
 // ---- coarse stage -------------------------------------------------------------------
 
 // out[b, i, h] = (sum of the first block_sizes[i] slots of tile i of x) / block_sizes[i],
 // summed in float32 (float64 for float64); a tile of size 0 gives 0.
 // x [B, Tiles * V, H, D] (tiled), block_sizes int32 [Tiles], out [B, Tiles, H, D], same dtype.
+// Block sizes must lie in [0, V] (checked on the CPU; clamped to it on CUDA).
 void tile_mean_pool(const TensorView& x, const TensorView& block_sizes, std::int64_t tile_volume,
-                    const TensorView& out, int num_threads = 0);
+                    const TensorView& out, int num_threads = 0, void* stream = nullptr);
 
 // The pool's backward: grad_x[b, slot] = grad_out[b, tile] / block_sizes[tile] for valid slots,
 // 0 for padding. grad_out [B, Tiles, H, D], grad_x [B, Tiles * V, H, D].
 void tile_mean_pool_backward(const TensorView& grad_out, const TensorView& block_sizes,
                              std::int64_t tile_volume, const TensorView& grad_x,
-                             int num_threads = 0);
+                             int num_threads = 0, void* stream = nullptr);
 
 // clamp(ceil((1 - sparsity) * num_kv_tiles), 1, num_kv_tiles); sparsity in [0, 1]. A 1e-9 slack
 // inside the ceil keeps float noise from adding a tile ((1 - 0.8) * 10 gives 2, not 3).
@@ -111,9 +115,12 @@ struct TopkOptions {
   std::optional<double> sparsity;
   std::optional<double> scale;    // coarse score scale; default 1 / sqrt(D)
   // Packed videos: int32 [N + 1] tile offsets of the queries and keys. A query tile of video i
-  // only selects key tiles of video i (indices stay global). Needs B == 1.
+  // only selects key tiles of video i (indices stay global). Needs B == 1. The offsets are
+  // checked on the CPU (start at 0, non-decreasing, end at the tile counts); on CUDA they are
+  // clamped to the tile counts and a query tile outside every video gets count 0.
   std::optional<TensorView> cu_tiles_q, cu_tiles_k;
   int num_threads = 0;
+  void* stream = nullptr;  // cudaStream_t of the CUDA kernels
 };
 
 // Output shape of the selection: MaxK = min(topk, Ktiles).
@@ -131,7 +138,7 @@ void select_topk_tiles(const TensorView& q_pooled, const TensorView& k_pooled,
 // The same selection from given scores [B, H, Qtiles, Ktiles] (float dtype).
 void topk_tiles_from_scores(const TensorView& scores, std::int64_t topk,
                             const TensorView& q2k_index, const TensorView& q2k_count,
-                            int num_threads = 0);
+                            int num_threads = 0, void* stream = nullptr);
 
 // ---- block-sparse attention ---------------------------------------------------------
 

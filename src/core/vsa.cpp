@@ -3,9 +3,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <stdexcept>
 
 #include "check.h"
 #include "vsa_backends.h"
+#if VIDATTN_WITH_CUDA
+#include "../cuda/vsa_coarse_launch.h"
+#endif
 
 namespace vidattn {
 namespace {
@@ -61,6 +66,20 @@ void token_tensor(const ArgChecker& check, const TensorView& x, const char* name
   check.non_null(x, name);
 }
 
+#if VIDATTN_WITH_CUDA
+// The coarse-stage kernels' interface is C++17 (no vidattn headers): views become numbers.
+static_assert(int(DType::kFloat32) == 0 && int(DType::kFloat16) == 1 &&
+              int(DType::kBFloat16) == 2 && int(DType::kFloat64) == 3);
+
+void copy_strides(const TensorView& t, std::int64_t (&dst)[3]) {
+  for (int d = 0; d < 3; ++d) dst[d] = t.stride[d];
+}
+
+void throw_if_cuda_error(const char* function, const char* error) {
+  if (error) throw std::runtime_error(detail::concat(function, ": CUDA error: ", error));
+}
+#endif
+
 }  // namespace
 
 bool is_supported_tile_volume(std::int64_t volume) {
@@ -114,7 +133,7 @@ void tiling_metadata(const TilingLayout& layout, const TensorView& block_sizes,
 }
 
 void gather_tokens(const TensorView& x, const TensorView& index, const TensorView& out,
-                   int num_threads) {
+                   int num_threads, void* stream) {
   const ArgChecker check("vidattn::gather_tokens");
   token_tensor(check, x, "x");
   check.ndim(index, "index", 1, "[N]");
@@ -127,12 +146,46 @@ void gather_tokens(const TensorView& x, const TensorView& index, const TensorVie
   check.same_device(out, "out", x.device);
   check.unit_last_stride(out, "out");
   check.non_null(out, "out");
-  if (!on_cpu(x)) no_cuda(check.function());
-  detail::cpu_gather_tokens(x, index, out, num_threads);
+  if (on_cpu(x)) return detail::cpu_gather_tokens(x, index, out, num_threads);
+#if VIDATTN_WITH_CUDA
+  detail::VsaGatherLaunch lp;
+  lp.x = x.data, lp.out = out.data, lp.index = static_cast<const std::int32_t*>(index.data);
+  lp.index_stride = index.stride[0];
+  lp.dtype = int(x.dtype);
+  lp.batch = x.shape[0], lp.seqlen = x.shape[1], lp.rows = index.shape[0];
+  lp.heads = x.shape[2], lp.head_dim = x.shape[3];
+  copy_strides(x, lp.x_stride);
+  copy_strides(out, lp.out_stride);
+  lp.device = x.device.index, lp.stream = stream;
+  throw_if_cuda_error(check.function(), detail::launch_vsa_gather_tokens(lp));
+#else
+  (void)stream;
+  no_cuda(check.function());
+#endif
 }
 
+#if VIDATTN_WITH_CUDA
+namespace {
+void cuda_tile_mean_pool(const char* function, const TensorView& x, const TensorView& block_sizes,
+                         std::int64_t tile_volume, const TensorView& out, bool backward,
+                         void* stream) {
+  detail::VsaPoolLaunch lp;
+  lp.x = x.data, lp.out = out.data;
+  lp.block_sizes = static_cast<const std::int32_t*>(block_sizes.data);
+  lp.block_sizes_stride = block_sizes.stride[0];
+  lp.dtype = int(x.dtype), lp.backward = backward;
+  lp.batch = x.shape[0], lp.tiles = block_sizes.shape[0], lp.heads = x.shape[2];
+  lp.head_dim = x.shape[3], lp.tile_volume = tile_volume;
+  copy_strides(x, lp.x_stride);
+  copy_strides(out, lp.out_stride);
+  lp.device = x.device.index, lp.stream = stream;
+  throw_if_cuda_error(function, detail::launch_vsa_tile_mean_pool(lp));
+}
+}  // namespace
+#endif
+
 void tile_mean_pool(const TensorView& x, const TensorView& block_sizes, std::int64_t tile_volume,
-                    const TensorView& out, int num_threads) {
+                    const TensorView& out, int num_threads, void* stream) {
   const ArgChecker check("vidattn::tile_mean_pool");
   tile_volume_ok(check, tile_volume);
   token_tensor(check, x, "x");
@@ -146,13 +199,18 @@ void tile_mean_pool(const TensorView& x, const TensorView& block_sizes, std::int
   check.same_device(out, "out", x.device);
   check.unit_last_stride(out, "out");
   check.non_null(out, "out");
-  if (!on_cpu(x)) no_cuda(check.function());
-  detail::cpu_tile_mean_pool(x, block_sizes, tile_volume, out, num_threads);
+  if (on_cpu(x)) return detail::cpu_tile_mean_pool(x, block_sizes, tile_volume, out, num_threads);
+#if VIDATTN_WITH_CUDA
+  cuda_tile_mean_pool(check.function(), x, block_sizes, tile_volume, out, false, stream);
+#else
+  (void)stream;
+  no_cuda(check.function());
+#endif
 }
 
 void tile_mean_pool_backward(const TensorView& grad_out, const TensorView& block_sizes,
                              std::int64_t tile_volume, const TensorView& grad_x,
-                             int num_threads) {
+                             int num_threads, void* stream) {
   const ArgChecker check("vidattn::tile_mean_pool_backward");
   tile_volume_ok(check, tile_volume);
   token_tensor(check, grad_out, "grad_out");
@@ -165,8 +223,15 @@ void tile_mean_pool_backward(const TensorView& grad_out, const TensorView& block
   check.same_device(grad_x, "grad_x", grad_out.device);
   check.unit_last_stride(grad_x, "grad_x");
   check.non_null(grad_x, "grad_x");
-  if (!on_cpu(grad_out)) no_cuda(check.function());
-  detail::cpu_tile_mean_pool_backward(grad_out, block_sizes, tile_volume, grad_x, num_threads);
+  if (on_cpu(grad_out))
+    return detail::cpu_tile_mean_pool_backward(grad_out, block_sizes, tile_volume, grad_x,
+                                               num_threads);
+#if VIDATTN_WITH_CUDA
+  cuda_tile_mean_pool(check.function(), grad_out, block_sizes, tile_volume, grad_x, true, stream);
+#else
+  (void)stream;
+  no_cuda(check.function());
+#endif
 }
 
 std::int64_t topk_from_sparsity(double sparsity, std::int64_t num_kv_tiles) {
@@ -197,6 +262,21 @@ void check_index_outputs(const ArgChecker& check, const TensorView& q2k_index,
   check.same_device(q2k_count, "q2k_count", device);
   check.non_null(q2k_count, "q2k_count");
 }
+
+#if VIDATTN_WITH_CUDA
+detail::VsaTopkLaunch topk_launch(const TensorView& q2k_index, const TensorView& q2k_count,
+                                  std::int64_t topk, void* stream) {
+  detail::VsaTopkLaunch lp;
+  lp.topk = topk;
+  lp.max_k = q2k_index.shape[3];
+  lp.index = static_cast<std::int32_t*>(q2k_index.data);
+  for (int d = 0; d < 4; ++d) lp.index_stride[d] = q2k_index.stride[d];
+  lp.count = static_cast<std::int32_t*>(q2k_count.data);
+  copy_strides(q2k_count, lp.count_stride);
+  lp.stream = stream;
+  return lp;
+}
+#endif
 
 }  // namespace
 
@@ -234,13 +314,39 @@ void select_topk_tiles(const TensorView& q_pooled, const TensorView& k_pooled,
   const double scale =
       o.scale ? *o.scale : 1.0 / std::sqrt(static_cast<double>(q_pooled.shape[3]));
   if (!std::isfinite(scale)) check.fail("argument 'scale' must be finite, got ", scale);
-  if (!on_cpu(q_pooled)) no_cuda(check.function());
-  detail::cpu_select_topk_tiles(q_pooled, k_pooled, o, scale, q2k_index, q2k_count);
+  if (on_cpu(q_pooled))
+    return detail::cpu_select_topk_tiles(q_pooled, k_pooled, o, scale, q2k_index, q2k_count);
+#if VIDATTN_WITH_CUDA
+  detail::VsaTopkLaunch lp = topk_launch(q2k_index, q2k_count, o.topk, o.stream);
+  lp.q = q_pooled.data, lp.k = k_pooled.data, lp.dtype = int(q_pooled.dtype);
+  lp.batch = B, lp.q_tiles = Qt, lp.k_tiles = Kt, lp.heads_q = Hq, lp.heads_kv = Hkv;
+  lp.head_dim = q_pooled.shape[3];
+  copy_strides(q_pooled, lp.q_stride);
+  copy_strides(k_pooled, lp.k_stride);
+  lp.scale = scale;
+  lp.has_sparsity = o.sparsity.has_value();
+  lp.sparsity = o.sparsity.value_or(0.0);
+  if (o.cu_tiles_q) {
+    lp.cu_tiles_q = static_cast<const std::int32_t*>(o.cu_tiles_q->data);
+    lp.cu_tiles_k = static_cast<const std::int32_t*>(o.cu_tiles_k->data);
+    lp.cu_q_stride = o.cu_tiles_q->stride[0], lp.cu_k_stride = o.cu_tiles_k->stride[0];
+    lp.num_videos = o.cu_tiles_q->shape[0] - 1;
+  }
+  lp.device = q_pooled.device.index;
+  bool is_limit = false;
+  const char* error = detail::launch_vsa_select_topk(lp, &is_limit);
+  if (error && is_limit)
+    throw NotImplementedError(detail::concat(check.function(), ": ", error, " (", Kt,
+                                             " key tiles); use CPU tensors or fewer key tiles"));
+  throw_if_cuda_error(check.function(), error);
+#else
+  no_cuda(check.function());
+#endif
 }
 
 void topk_tiles_from_scores(const TensorView& scores, std::int64_t topk,
                             const TensorView& q2k_index, const TensorView& q2k_count,
-                            int num_threads) {
+                            int num_threads, void* stream) {
   const ArgChecker check("vidattn::topk_tiles_from_scores");
   check.ndim(scores, "scores", 4, "[B, H, Qtiles, Ktiles]");
   float_dtype(check, scores, "scores");
@@ -249,8 +355,21 @@ void topk_tiles_from_scores(const TensorView& scores, std::int64_t topk,
   if (topk < 1) check.fail("topk must be >= 1, got ", topk);
   check_index_outputs(check, q2k_index, q2k_count, scores.shape[0], scores.shape[1],
                       scores.shape[2], topk_max_k(topk, scores.shape[3]), scores.device);
-  if (!on_cpu(scores)) no_cuda(check.function());
-  detail::cpu_topk_tiles_from_scores(scores, topk, q2k_index, q2k_count, num_threads);
+  if (on_cpu(scores))
+    return detail::cpu_topk_tiles_from_scores(scores, topk, q2k_index, q2k_count, num_threads);
+#if VIDATTN_WITH_CUDA
+  detail::VsaTopkLaunch lp = topk_launch(q2k_index, q2k_count, topk, stream);
+  lp.scores = scores.data, lp.dtype = int(scores.dtype);
+  lp.batch = scores.shape[0], lp.heads_q = scores.shape[1], lp.heads_kv = scores.shape[1];
+  lp.q_tiles = scores.shape[2], lp.k_tiles = scores.shape[3];
+  copy_strides(scores, lp.scores_stride);
+  lp.device = scores.device.index;
+  if (lp.k_tiles > INT32_MAX) check.fail("at most 2^31 - 1 key tiles, got ", lp.k_tiles);
+  throw_if_cuda_error(check.function(), detail::launch_vsa_topk_from_scores(lp));
+#else
+  (void)stream;
+  no_cuda(check.function());
+#endif
 }
 
 // ---- block-sparse attention ---------------------------------------------------------

@@ -1,0 +1,631 @@
+// CUDA kernels of the VSA tiling gathers and coarse stage: gather_tokens (tile / untile),
+// tile mean pooling and its backward, top-k tile selection (from pooled q, k or from given
+// scores). Interface in vsa_coarse_launch.h; the CPU reference is src/cpu/vsa_cpu.cpp.
+//
+// Selection design: one CTA scores a block of up to 16 query tiles against the key tiles of
+// their videos (register-tiled SIMT products over shared-memory slices of q and k, fp32
+// accumulation, fp64 for fp64) into shared memory, then each warp selects its rows there with
+// an 8-bit-digit radix select on order-preserving integer keys, followed by an index-ordered
+// warp compaction. That gives the CPU's exact rule: exactly k per row, ties to the lowest
+// index (the compaction takes the tied elements in index order), NaN ranked as -inf, +0 == -0,
+// indices strictly ascending. No score tensor reaches global memory.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "vsa_coarse_launch.h"
+
+namespace vidattn::detail {
+namespace {
+
+template <class T> struct Io;
+template <> struct Io<float> {
+  template <class Acc> __device__ static Acc load(float v) { return Acc(v); }
+  template <class Acc> __device__ static float store(Acc v) { return float(v); }
+};
+template <> struct Io<double> {
+  template <class Acc> __device__ static Acc load(double v) { return Acc(v); }
+  template <class Acc> __device__ static double store(Acc v) { return double(v); }
+};
+template <> struct Io<__half> {
+  template <class Acc> __device__ static Acc load(__half v) { return Acc(__half2float(v)); }
+  template <class Acc> __device__ static __half store(Acc v) { return __float2half_rn(float(v)); }
+};
+template <> struct Io<__nv_bfloat16> {
+  template <class Acc> __device__ static Acc load(__nv_bfloat16 v) {
+    return Acc(__bfloat162float(v));
+  }
+  template <class Acc> __device__ static __nv_bfloat16 store(Acc v) {
+    return __float2bfloat16_rn(float(v));
+  }
+};
+
+// Calls f(T{}) with the storage type of a dtype code.
+template <class F>
+void visit_dtype(int dtype, F&& f) {
+  switch (dtype) {
+    case 1: return f(__half{});
+    case 2: return f(__nv_bfloat16{});
+    case 3: return f(double{});
+    default: return f(float{});
+  }
+}
+
+template <class T>
+using AccOf = typename std::conditional<std::is_same<T, double>::value, double, float>::type;
+
+// Makes `device` current for the launches in scope and restores the caller's device.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    if (cudaGetDevice(&previous_) != cudaSuccess) {
+      error_ = "cudaGetDevice failed";
+      return;
+    }
+    if (previous_ == device) previous_ = -1;
+    else if (cudaSetDevice(device) != cudaSuccess) error_ = "cudaSetDevice failed";
+  }
+  ~DeviceScope() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  const char* error() const { return error_; }
+
+ private:
+  int previous_ = -1;
+  const char* error_ = nullptr;
+};
+
+const char* last_error() {
+  const cudaError_t status = cudaGetLastError();
+  return status == cudaSuccess ? nullptr : cudaGetErrorString(status);
+}
+
+unsigned grid_for(std::int64_t total, int threads) {
+  const std::int64_t blocks = (total + threads - 1) / threads;
+  // Enough blocks to fill any current GPU; grid-stride loops cover the rest.
+  return unsigned(blocks < 65536 ? blocks : 65536);
+}
+
+// ---- gather_tokens ------------------------------------------------------------------------
+
+// One thread per Vec-sized chunk of a [D] row; Vec is the widest copy unit that the row length,
+// the pointers and the strides allow (16 bytes for bf16/fp16 D % 8 == 0 on aligned tensors).
+template <class Vec>
+__global__ void vsa_gather_tokens_kernel(VsaGatherLaunch p, std::int64_t elem_size) {
+  const std::int64_t chunks = p.head_dim * elem_size / std::int64_t(sizeof(Vec));
+  const std::int64_t total = p.batch * p.rows * p.heads * chunks;
+  const auto* x = static_cast<const char*>(p.x);
+  auto* out = static_cast<char*>(p.out);
+  const std::int64_t step = std::int64_t(gridDim.x) * blockDim.x;
+  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += step) {
+    const std::int64_t c = i % chunks;
+    std::int64_t r = i / chunks;
+    const std::int64_t h = r % p.heads;
+    r /= p.heads;
+    const std::int64_t n = r % p.rows, b = r / p.rows;
+    const std::int32_t src = p.index[n * p.index_stride];
+    Vec v{};  // zero bits are +0 in every float dtype
+    if (src >= 0 && src < p.seqlen)
+      v = *reinterpret_cast<const Vec*>(
+          x + (b * p.x_stride[0] + src * p.x_stride[1] + h * p.x_stride[2]) * elem_size +
+          c * std::int64_t(sizeof(Vec)));
+    *reinterpret_cast<Vec*>(out +
+                            (b * p.out_stride[0] + n * p.out_stride[1] + h * p.out_stride[2]) *
+                                elem_size +
+                            c * std::int64_t(sizeof(Vec))) = v;
+  }
+}
+
+// ---- tile mean pool -----------------------------------------------------------------------
+
+__device__ __forceinline__ std::int64_t clamped_size(const VsaPoolLaunch& p, std::int64_t t) {
+  const std::int64_t n = p.block_sizes[t * p.block_sizes_stride];
+  return n < 0 ? 0 : (n > p.tile_volume ? p.tile_volume : n);
+}
+
+// One thread per output element; the sum runs over the tile's slots in order, like the CPU
+// backend, so float32 / float64 results match it bit for bit.
+template <class T>
+__global__ void vsa_tile_mean_pool_kernel(VsaPoolLaunch p) {
+  using Acc = AccOf<T>;
+  const auto* x = static_cast<const T*>(p.x);
+  auto* out = static_cast<T*>(p.out);
+  const std::int64_t total = p.batch * p.tiles * p.heads * p.head_dim;
+  const std::int64_t step = std::int64_t(gridDim.x) * blockDim.x;
+  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += step) {
+    const std::int64_t d = i % p.head_dim;
+    std::int64_t r = i / p.head_dim;
+    const std::int64_t h = r % p.heads;
+    r /= p.heads;
+    const std::int64_t t = r % p.tiles, b = r / p.tiles;
+    const std::int64_t n = clamped_size(p, t);
+    const T* src = x + b * p.x_stride[0] + t * p.tile_volume * p.x_stride[1] +
+                   h * p.x_stride[2] + d;
+    Acc sum = Acc(0);
+#pragma unroll 4
+    for (std::int64_t s = 0; s < n; ++s) sum += Io<T>::template load<Acc>(src[s * p.x_stride[1]]);
+    const Acc inv = n > 0 ? Acc(1) / Acc(n) : Acc(0);
+    out[b * p.out_stride[0] + t * p.out_stride[1] + h * p.out_stride[2] + d] =
+        Io<T>::template store<Acc>(sum * inv);
+  }
+}
+
+// grad_x[b, t * V + s, h, d] = grad_out[b, t, h, d] / n for s < n, else 0. A block is 8 rows
+// (b, slot, h) of 32 lanes that stride over d: the row's index arithmetic (in `Index`, 32-bit
+// when it fits) is paid once per row, not per element.
+template <class T, class Index>
+__global__ void vsa_tile_mean_pool_backward_kernel(VsaPoolLaunch p) {
+  using Acc = AccOf<T>;
+  const auto* g = static_cast<const T*>(p.x);
+  auto* out = static_cast<T*>(p.out);
+  const Index V = Index(p.tile_volume), H = Index(p.heads), slots = Index(p.tiles) * V;
+  const Index rows = Index(p.batch) * slots * H;
+  const Index step = Index(gridDim.x) * blockDim.y;
+  for (Index row = Index(blockIdx.x) * blockDim.y + threadIdx.y; row < rows; row += step) {
+    const Index h = row % H, bs = row / H;
+    const Index slot = bs % slots, b = bs / slots;
+    const Index t = slot / V, s = slot % V;
+    const std::int64_t n = clamped_size(p, t);
+    const T* src = g + std::int64_t(b) * p.x_stride[0] + std::int64_t(t) * p.x_stride[1] +
+                   std::int64_t(h) * p.x_stride[2];
+    T* dst = out + std::int64_t(b) * p.out_stride[0] + std::int64_t(slot) * p.out_stride[1] +
+             std::int64_t(h) * p.out_stride[2];
+    const Acc inv = n > 0 ? Acc(1) / Acc(n) : Acc(0);
+    for (std::int64_t d = threadIdx.x; d < p.head_dim; d += 32)
+      dst[d] = Io<T>::template store<Acc>(s < n ? Io<T>::template load<Acc>(src[d]) * inv : Acc(0));
+  }
+}
+
+// ---- top-k selection ------------------------------------------------------------------------
+
+// Order-preserving unsigned keys: a > b as floats <=> key(a) > key(b), with NaN as -inf and
+// -0 as +0 (the CPU compares with == and >, for which they are equal).
+__device__ __forceinline__ std::uint32_t order_key(float v) {
+  if (v != v) v = -INFINITY;
+  if (v == 0.0f) v = 0.0f;
+  const std::uint32_t u = __float_as_uint(v);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+}
+__device__ __forceinline__ std::uint64_t order_key(double v) {
+  if (v != v) v = -INFINITY;
+  if (v == 0.0) v = 0.0;
+  const auto u = static_cast<std::uint64_t>(__double_as_longlong(v));
+  return (u >> 63) ? ~u : (u | (std::uint64_t(1) << 63));
+}
+
+// vidattn::topk_from_sparsity, with the same double rounding (no contraction into an fma).
+__device__ std::int64_t device_topk_from_sparsity(double sparsity, std::int64_t n) {
+  const double kept = ceil(__dsub_rn(__dmul_rn(1.0 - sparsity, double(n)), 1e-9));
+  std::int64_t k = static_cast<std::int64_t>(kept);
+  return k < 1 ? 1 : (k > n ? n : k);
+}
+
+// One warp writes the top `k` of score(0 .. n-1) as `offset + j`, ascending, into
+// out[0, k) and -1 into out[k, max_k). `hist` is this warp's 256 ints of shared memory.
+template <class Acc, class Score>
+__device__ void warp_select_row(const Score& score, int n, int k, int max_k, int offset,
+                                std::int32_t* out, std::int64_t out_stride, int* hist) {
+  const int lane = threadIdx.x & 31;
+  if (k >= n || k <= 0) {  // everything or nothing: no ranking needed
+    const int take = k <= 0 ? 0 : n;
+    for (int slot = lane; slot < max_k; slot += 32)
+      out[slot * out_stride] = slot < take ? offset + slot : -1;
+    return;
+  }
+  using Key = decltype(order_key(Acc(0)));
+  constexpr int kBits = 8 * sizeof(Key);
+  Key prefix = 0, mask = 0;
+  int remaining = k;  // how many still to take among the keys that match `prefix`
+  for (int shift = kBits - 8; shift >= 0; shift -= 8) {
+    for (int i = lane; i < 256; i += 32) hist[i] = 0;
+    __syncwarp();
+    for (int j = lane; j < n; j += 32) {
+      const Key key = order_key(score(j));
+      if ((key & mask) == prefix) atomicAdd(&hist[int((key >> shift) & 255)], 1);
+    }
+    __syncwarp();
+    // Lane L owns bins [8L, 8L + 8); find the digit whose bin holds the remaining-th largest.
+    int c[8], local = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) local += (c[i] = hist[lane * 8 + i]);
+    int inclusive = local;  // counts of this lane's bins and every higher lane's
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const int v = __shfl_down_sync(0xffffffffu, inclusive, off);
+      if (lane + off < 32) inclusive += v;
+    }
+    const int above = inclusive - local;
+    const unsigned owner = __ballot_sync(0xffffffffu, above < remaining && remaining <= inclusive);
+    const int src = __ffs(owner) - 1;
+    int digit = 0, left = remaining;
+    if (lane == src) {
+      int cum = above;
+      for (int i = 7; i >= 0; --i) {
+        if (cum + c[i] >= remaining) {
+          digit = lane * 8 + i;
+          left = remaining - cum;
+          break;
+        }
+        cum += c[i];
+      }
+    }
+    digit = __shfl_sync(0xffffffffu, digit, src);
+    remaining = __shfl_sync(0xffffffffu, left, src);
+    prefix |= Key(digit) << shift;
+    mask |= Key(255) << shift;
+    __syncwarp();
+  }
+  // prefix is now the k-th largest key; all larger keys are taken, and the first `remaining`
+  // equal ones in index order. A compaction in index order keeps the output ascending.
+  const unsigned lower = (1u << lane) - 1u;
+  int written = 0, equal_seen = 0;
+  for (int base = 0; base < n; base += 32) {
+    const int j = base + lane;
+    const Key key = j < n ? order_key(score(j)) : Key(0);
+    const bool greater = j < n && key > prefix, equal = j < n && key == prefix;
+    const unsigned eq_bits = __ballot_sync(0xffffffffu, equal);
+    const bool take = greater || (equal && equal_seen + __popc(eq_bits & lower) < remaining);
+    const unsigned take_bits = __ballot_sync(0xffffffffu, take);
+    if (take) out[(written + __popc(take_bits & lower)) * out_stride] = offset + j;
+    written += __popc(take_bits);
+    equal_seen += __popc(eq_bits);
+  }
+  for (int slot = k + lane; slot < max_k; slot += 32) out[slot * out_stride] = -1;
+}
+
+constexpr int kTopkThreads = 128;  // 4 warps
+constexpr int kRowsMax = 16;       // query tiles scored together at most (4 per warp)
+constexpr int kKeyChunk = 256;     // key tiles per product step (8 per lane)
+constexpr int kDSlice = 32;        // head-dim slice staged in shared memory
+constexpr int kKeyPad = 1;         // keeps the transposed k stores free of bank conflicts
+
+template <class Acc>
+std::size_t topk_smem_bytes(int rows, std::int64_t k_tiles) {
+  return sizeof(Acc) * (std::size_t(rows) * std::size_t(k_tiles) +
+                        std::size_t(kDSlice) * (kKeyChunk + kKeyPad) + kRowsMax * kDSlice) +
+         sizeof(int) * (4 * 256 + 2 * kRowsMax);
+}
+
+// The key-tile range [k0, k0 + n) of query tile t: its video's (packed) or all of them.
+__device__ void video_range(const VsaTopkLaunch& p, std::int64_t t, int* k0, int* n) {
+  if (!p.cu_tiles_q) {
+    *k0 = 0;
+    *n = int(p.k_tiles);
+    return;
+  }
+  auto clamp_q = [&](std::int64_t i) {
+    std::int64_t v = p.cu_tiles_q[i * p.cu_q_stride];
+    return v < 0 ? 0 : (v > p.q_tiles ? p.q_tiles : v);
+  };
+  auto clamp_k = [&](std::int64_t i) {
+    std::int64_t v = p.cu_tiles_k[i * p.cu_k_stride];
+    return v < 0 ? 0 : (v > p.k_tiles ? p.k_tiles : v);
+  };
+  // The last video whose first tile is <= t (empty videos before it are skipped).
+  std::int64_t lo = 0, hi = p.num_videos - 1;
+  if (hi < 0 || clamp_q(0) > t) {
+    *k0 = 0;
+    *n = 0;
+    return;
+  }
+  while (lo < hi) {
+    const std::int64_t mid = (lo + hi + 1) / 2;
+    if (clamp_q(mid) <= t) lo = mid;
+    else hi = mid - 1;
+  }
+  if (t >= clamp_q(lo + 1)) {  // past the last video (cu_tiles_q ends early)
+    *k0 = 0;
+    *n = 0;
+    return;
+  }
+  const std::int64_t begin = clamp_k(lo), end = clamp_k(lo + 1);
+  *k0 = int(begin);
+  *n = end > begin ? int(end - begin) : 0;
+}
+
+__device__ int row_topk(const VsaTopkLaunch& p, int n) {
+  std::int64_t want = p.topk < n ? p.topk : n;
+  if (p.has_sparsity && n > 0) {
+    want = device_topk_from_sparsity(p.sparsity, n);
+    if (want > p.max_k) want = p.max_k;
+  }
+  return int(want < n ? want : n);
+}
+
+// Stages k[kc .. kc + kKeyChunk) x [ds, ds + kDSlice) into ks (transposed, as Acc). With kVec,
+// each thread copies 16-byte runs of the head dim (the launcher checks alignment and that
+// D is a multiple of the run); the loads of a thread are independent and issued together.
+template <class T, bool kVec>
+__device__ __forceinline__ void stage_keys(const T* k, std::int64_t key_stride, int kc, int kmax,
+                                           std::int64_t ds, std::int64_t D, float* ks_f,
+                                           double* ks_d) {
+  using Acc = AccOf<T>;
+  Acc* ks = [&] {
+    if constexpr (std::is_same<Acc, double>::value) return ks_d;
+    else return ks_f;
+  }();
+  constexpr int kStride = kKeyChunk + kKeyPad;
+  if constexpr (kVec) {
+    constexpr int kRun = 16 / int(sizeof(T));            // elements per 16-byte load
+    constexpr int kRunsPerKey = kDSlice / kRun;
+    constexpr int kLoads = kKeyChunk * kRunsPerKey / kTopkThreads;
+    uint4 buf[kLoads];
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      const int e = threadIdx.x + l * kTopkThreads;
+      const int key = e / kRunsPerKey, d0 = (e % kRunsPerKey) * kRun;
+      const std::int64_t j = std::int64_t(kc) + key;
+      buf[l] = make_uint4(0, 0, 0, 0);
+      if (j < kmax && ds + d0 < D)
+        buf[l] = *reinterpret_cast<const uint4*>(k + j * key_stride + ds + d0);
+    }
+#pragma unroll
+    for (int l = 0; l < kLoads; ++l) {
+      const int e = threadIdx.x + l * kTopkThreads;
+      const int key = e / kRunsPerKey, d0 = (e % kRunsPerKey) * kRun;
+      const T* v = reinterpret_cast<const T*>(&buf[l]);
+#pragma unroll
+      for (int i = 0; i < kRun; ++i) ks[(d0 + i) * kStride + key] = Io<T>::template load<Acc>(v[i]);
+    }
+  } else {
+    for (int e = threadIdx.x; e < kKeyChunk * kDSlice; e += kTopkThreads) {
+      const int key = e / kDSlice, dd = e % kDSlice;  // consecutive threads: consecutive d
+      const std::int64_t j = std::int64_t(kc) + key;
+      ks[dd * kStride + key] = (j < kmax && ds + dd < D)
+                                   ? Io<T>::template load<Acc>(k[j * key_stride + ds + dd])
+                                   : Acc(0);
+    }
+  }
+}
+
+// kRowsPerWarp: 4 (16 query tiles per CTA) or 2 (8, when the grid would be too small).
+template <class T, int kRowsPerWarp, bool kVec>
+__global__ void __launch_bounds__(kTopkThreads) vsa_select_topk_kernel(VsaTopkLaunch p, int rows) {
+  using Acc = AccOf<T>;
+  constexpr int kRows = 4 * kRowsPerWarp;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const std::int64_t k_cap = p.k_tiles;
+  Acc* scores = reinterpret_cast<Acc*>(smem);                 // [rows][k_cap]
+  Acc* ks = scores + std::int64_t(rows) * k_cap;              // [kDSlice][kKeyChunk + pad]
+  Acc* qs = ks + kDSlice * (kKeyChunk + kKeyPad);             // [kRows][kDSlice]
+  int* hist = reinterpret_cast<int*>(qs + kRowsMax * kDSlice);  // [4][256]
+  int* row_k0 = hist + 4 * 256;
+  int* row_n = row_k0 + kRowsMax;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const std::int64_t t0 = std::int64_t(blockIdx.x) * rows;
+  const std::int64_t h = blockIdx.y, b = blockIdx.z;
+  const std::int64_t hk = h / (p.heads_q / p.heads_kv);
+  const auto* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[2];
+  const auto* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[2];
+
+  if (tid < kRowsMax) {
+    int k0 = 0, n = 0;
+    if (tid < rows && t0 + tid < p.q_tiles) video_range(p, t0 + tid, &k0, &n);
+    row_k0[tid] = k0;
+    row_n[tid] = n;
+  }
+  __syncthreads();
+  // The union of the rows' key ranges (one range unless the block straddles videos).
+  int kmin = 0x7fffffff, kmax = 0;
+  for (int r = 0; r < rows; ++r)
+    if (row_n[r] > 0) {
+      kmin = min(kmin, row_k0[r]);
+      kmax = max(kmax, row_k0[r] + row_n[r]);
+    }
+  if (kmax == 0) kmin = 0;
+
+  for (int kc = kmin; kc < kmax; kc += kKeyChunk) {
+    Acc acc[kRowsPerWarp][8];
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i)
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[i][j] = Acc(0);
+    for (std::int64_t ds = 0; ds < p.head_dim; ds += kDSlice) {
+      __syncthreads();  // the previous slice has been read
+      for (int e = tid; e < kRows * kDSlice; e += kTopkThreads) {
+        const int r = e / kDSlice, dd = e % kDSlice;
+        const std::int64_t t = t0 + r;
+        qs[e] = (r < rows && t < p.q_tiles && ds + dd < p.head_dim)
+                    ? Io<T>::template load<Acc>(q[t * p.q_stride[1] + ds + dd])
+                    : Acc(0);
+      }
+      stage_keys<T, kVec>(k, p.k_stride[1], kc, kmax, ds, p.head_dim,
+                          reinterpret_cast<float*>(ks), reinterpret_cast<double*>(ks));
+      __syncthreads();
+#pragma unroll 8
+      for (int dd = 0; dd < kDSlice; ++dd) {
+        Acc qv[kRowsPerWarp], kv[8];
+#pragma unroll
+        for (int i = 0; i < kRowsPerWarp; ++i) qv[i] = qs[(warp * kRowsPerWarp + i) * kDSlice + dd];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) kv[j] = ks[dd * (kKeyChunk + kKeyPad) + lane + 32 * j];
+#pragma unroll
+        for (int i = 0; i < kRowsPerWarp; ++i)
+#pragma unroll
+          for (int j = 0; j < 8; ++j) acc[i][j] = fma(qv[i], kv[j], acc[i][j]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRowsPerWarp; ++i) {
+      const int r = warp * kRowsPerWarp + i;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const int key = kc + lane + 32 * j;
+        if (r < rows && key < kmax)
+          scores[std::int64_t(r) * k_cap + (key - kmin)] = acc[i][j] * Acc(p.scale);
+      }
+    }
+  }
+  __syncthreads();
+  for (int r = warp; r < rows; r += kTopkThreads / 32) {
+    const std::int64_t t = t0 + r;
+    if (t >= p.q_tiles) break;
+    const int n = row_n[r], want = row_topk(p, n);
+    const Acc* row = scores + std::int64_t(r) * k_cap + (row_k0[r] - kmin);
+    std::int32_t* out =
+        p.index + b * p.index_stride[0] + h * p.index_stride[1] + t * p.index_stride[2];
+    warp_select_row<Acc>([row](int j) { return row[j]; }, n, want, int(p.max_k), row_k0[r], out,
+                         p.index_stride[3], hist + warp * 256);
+    if (lane == 0) p.count[b * p.count_stride[0] + h * p.count_stride[1] + t * p.count_stride[2]] = want;
+  }
+}
+
+// One warp per row of given scores, read straight from global memory (L1/L2 serve the passes).
+template <class T>
+__global__ void __launch_bounds__(kTopkThreads) vsa_topk_from_scores_kernel(VsaTopkLaunch p) {
+  using Acc = AccOf<T>;
+  __shared__ int hist[kTopkThreads / 32][256];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const std::int64_t t = std::int64_t(blockIdx.x) * (kTopkThreads / 32) + warp;
+  const std::int64_t h = blockIdx.y, b = blockIdx.z;
+  if (t >= p.q_tiles) return;  // whole warps only: the selection's shuffles stay complete
+  const auto* row = static_cast<const T*>(p.scores) + b * p.scores_stride[0] +
+                    h * p.scores_stride[1] + t * p.scores_stride[2];
+  const int n = int(p.k_tiles);
+  const int want = int(p.topk < n ? p.topk : n);
+  std::int32_t* out = p.index + b * p.index_stride[0] + h * p.index_stride[1] + t * p.index_stride[2];
+  warp_select_row<Acc>([row](int j) { return Io<T>::template load<Acc>(row[j]); }, n, want,
+                       int(p.max_k), 0, out, p.index_stride[3], hist[warp]);
+  if (lane == 0) p.count[b * p.count_stride[0] + h * p.count_stride[1] + t * p.count_stride[2]] = want;
+}
+
+bool aligned(const void* ptr, std::int64_t bytes) {
+  return reinterpret_cast<std::uintptr_t>(ptr) % std::uintptr_t(bytes) == 0;
+}
+
+}  // namespace
+
+const char* launch_vsa_gather_tokens(const VsaGatherLaunch& p) {
+  if (p.batch * p.rows * p.heads * p.head_dim == 0) return nullptr;
+  const DeviceScope scope(p.device);
+  if (scope.error()) return scope.error();
+  const std::int64_t es = p.dtype == 3 ? 8 : (p.dtype == 0 ? 4 : 2);
+  // The widest copy unit that divides the row and every address the kernel forms.
+  std::int64_t width = 16;
+  for (; width > es; width /= 2) {
+    bool ok = (p.head_dim * es) % width == 0 && aligned(p.x, width) && aligned(p.out, width);
+    for (int d = 0; d < 3 && ok; ++d)
+      ok = (p.x_stride[d] * es) % width == 0 && (p.out_stride[d] * es) % width == 0;
+    if (ok) break;
+  }
+  const std::int64_t total = p.batch * p.rows * p.heads * (p.head_dim * es / width);
+  constexpr int kThreads = 256;
+  auto stream = static_cast<cudaStream_t>(p.stream);
+  const unsigned grid = grid_for(total, kThreads);
+  switch (width) {
+    case 16: vsa_gather_tokens_kernel<uint4><<<grid, kThreads, 0, stream>>>(p, es); break;
+    case 8: vsa_gather_tokens_kernel<uint2><<<grid, kThreads, 0, stream>>>(p, es); break;
+    case 4: vsa_gather_tokens_kernel<std::uint32_t><<<grid, kThreads, 0, stream>>>(p, es); break;
+    default: vsa_gather_tokens_kernel<std::uint16_t><<<grid, kThreads, 0, stream>>>(p, es); break;
+  }
+  return last_error();
+}
+
+const char* launch_vsa_tile_mean_pool(const VsaPoolLaunch& p) {
+  const std::int64_t total =
+      p.batch * p.tiles * p.heads * p.head_dim * (p.backward ? p.tile_volume : 1);
+  if (total == 0) return nullptr;
+  const DeviceScope scope(p.device);
+  if (scope.error()) return scope.error();
+  constexpr int kThreads = 256;
+  auto stream = static_cast<cudaStream_t>(p.stream);
+  const unsigned grid = grid_for(total, kThreads);
+  visit_dtype(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    if (p.backward) {
+      const std::int64_t rows = p.batch * p.tiles * p.tile_volume * p.heads;
+      const dim3 block(32, 8);
+      if (rows < (std::int64_t(1) << 31) - 65536 * 8)
+        vsa_tile_mean_pool_backward_kernel<T, std::uint32_t>
+            <<<grid_for(rows, 8), block, 0, stream>>>(p);
+      else
+        vsa_tile_mean_pool_backward_kernel<T, std::int64_t>
+            <<<grid_for(rows, 8), block, 0, stream>>>(p);
+    } else
+      vsa_tile_mean_pool_kernel<T><<<grid, kThreads, 0, stream>>>(p);
+  });
+  return last_error();
+}
+
+const char* launch_vsa_select_topk(const VsaTopkLaunch& p, bool* error_is_limit) {
+  *error_is_limit = false;
+  if (p.batch * p.heads_q * p.q_tiles == 0) return nullptr;
+  if (p.batch > 65535 || p.heads_q > 65535) {
+    *error_is_limit = true;
+    return "batch and heads must each be at most 65535";
+  }
+  const DeviceScope scope(p.device);
+  if (scope.error()) return scope.error();
+  int max_smem = 0, sms = 0;
+  if (cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device) !=
+          cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device) != cudaSuccess)
+    return "cudaDeviceGetAttribute failed";
+  const char* error = nullptr;
+  visit_dtype(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    using Acc = AccOf<T>;
+    // As many query tiles per CTA as shared memory holds rows of scores for.
+    // 8 query tiles per CTA instead of 16 when that is needed to give every SM a few CTAs
+    // (each row's scores are computed the same way whatever the grouping).
+    const bool half = ((p.q_tiles + kRowsMax - 1) / kRowsMax) * p.heads_q * p.batch < 4 * sms;
+    int rows = half ? kRowsMax / 2 : kRowsMax;
+    while (rows > 1 && topk_smem_bytes<Acc>(rows, p.k_tiles) > std::size_t(max_smem)) rows /= 2;
+    const std::size_t bytes = topk_smem_bytes<Acc>(rows, p.k_tiles);
+    if (bytes > std::size_t(max_smem)) {
+      *error_is_limit = true;
+      error = "too many key tiles per row for the CUDA selection's shared memory";
+      return;
+    }
+    // 16-byte loads of k when every run of the head dim they read is aligned.
+    const std::int64_t run = 16 / std::int64_t(sizeof(T));
+    const bool vec = !std::is_same<T, double>::value && p.head_dim % run == 0 &&
+                     p.k_stride[0] % run == 0 && p.k_stride[1] % run == 0 &&
+                     p.k_stride[2] % run == 0 && aligned(p.k, 16);
+    auto launch = [&](auto kernel) {
+      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)) !=
+          cudaSuccess) {
+        error = last_error();
+        if (!error) error = "cudaFuncSetAttribute failed";
+        return;
+      }
+      const dim3 grid(unsigned((p.q_tiles + rows - 1) / rows), unsigned(p.heads_q),
+                      unsigned(p.batch));
+      kernel<<<grid, kTopkThreads, bytes, static_cast<cudaStream_t>(p.stream)>>>(p, rows);
+      error = last_error();
+    };
+    if (rows <= kRowsMax / 2) {
+      if (vec) launch(vsa_select_topk_kernel<T, 2, true>);
+      else launch(vsa_select_topk_kernel<T, 2, false>);
+    } else {
+      if (vec) launch(vsa_select_topk_kernel<T, 4, true>);
+      else launch(vsa_select_topk_kernel<T, 4, false>);
+    }
+    if (error) return;
+  });
+  return error;
+}
+
+const char* launch_vsa_topk_from_scores(const VsaTopkLaunch& p) {
+  if (p.batch * p.heads_q * p.q_tiles == 0) return nullptr;
+  if (p.batch > 65535 || p.heads_q > 65535) return "batch and heads must each be at most 65535";
+  const DeviceScope scope(p.device);
+  if (scope.error()) return scope.error();
+  constexpr int kRowsPerBlock = kTopkThreads / 32;
+  const dim3 grid(unsigned((p.q_tiles + kRowsPerBlock - 1) / kRowsPerBlock), unsigned(p.heads_q),
+                  unsigned(p.batch));
+  visit_dtype(p.dtype, [&](auto tag) {
+    using T = decltype(tag);
+    vsa_topk_from_scores_kernel<T>
+        <<<grid, kTopkThreads, 0, static_cast<cudaStream_t>(p.stream)>>>(p);
+  });
+  return last_error();
+}
+
+}  // namespace vidattn::detail
