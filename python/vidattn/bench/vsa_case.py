@@ -1,22 +1,23 @@
 """The VSA case: the whole Video Sparse Attention op against dense attention on the same
-tiled tensors (vsa.md). Forward only: the float64 reference of the VSA backward would need the
-full score matrix in memory.
+tiled tensors (vsa.md). Forward only.
 
 Rows: ``vidattn-vsa`` (pool + coarse attention + top-k + block-sparse fine attention +
 combine), ``vidattn-dense`` (dense attention over the video's tokens: the pad slots masked as
-keys and zeroed as queries) and PyTorch SDPA on the same padded tensors (cuDNN on CUDA: what
-targets.md compares the whole VSA op with). TFLOP/s counts dense-equivalent FLOPs over the
-padded length for every row, so the x-peer column is the speedup over dense.
+keys and zeroed as queries), PyTorch SDPA on the same padded tensors (cuDNN on CUDA: what
+targets.md compares the whole VSA op with) and, on CUDA when fastvideo-kernel imports,
+``fastvideo-vsa`` (FastVideo's whole VSA op, ``video_sparse_attn``, Triton path). TFLOP/s
+counts dense-equivalent FLOPs over the padded length for every row, so the x-peer column is
+the speedup over dense.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
 
-from . import reference
-from .cases import Case, Impl, SdpaDense
+from . import peers, reference
+from .cases import Case, Impl, SdpaDense, missing_vidattn_op, to_layout
 from .reference import RefScope
 from .shapes import Shape
 
@@ -30,6 +31,7 @@ class VsaInputs:
     sparsity: float
     scale: Optional[float] = None
     causal: bool = False  # for the dense peers' code path
+    memo: dict = field(default_factory=dict, compare=False, repr=False)
 
     def differentiable(self):
         return self.q, self.k, self.v
@@ -37,6 +39,10 @@ class VsaInputs:
     def requiring_grad(self) -> "VsaInputs":
         return replace(self, q=self.q.detach().requires_grad_(),
                        k=self.k.detach().requires_grad_(), v=self.v.detach().requires_grad_())
+
+    def in_layout(self, layout: str) -> "VsaInputs":
+        return replace(self, q=to_layout(self.q, layout), k=to_layout(self.k, layout),
+                       v=to_layout(self.v, layout))
 
     def slot_mask(self) -> torch.Tensor:
         """bool [B, padded_len]: True where a slot holds a token."""
@@ -46,6 +52,9 @@ class VsaInputs:
 class VidattnVsa(Impl):
     name, backend, is_ours = "vidattn-vsa", "vidattn.video_sparse_attention", True
     reference_kind = "vsa"
+
+    def unavailable_reason(self, device):
+        return missing_vidattn_op("block_sparse_attention")
 
     def forward(self, inputs: VsaInputs) -> torch.Tensor:
         import vidattn
@@ -57,6 +66,9 @@ class VidattnVsa(Impl):
 class VidattnDenseOverTokens(Impl):
     name, backend = "vidattn-dense", "vidattn.attention (pad slots masked)"
     reference_kind = "dense-tokens"
+
+    def unavailable_reason(self, device):
+        return missing_vidattn_op("attention")
 
     def forward(self, inputs: VsaInputs) -> torch.Tensor:
         import vidattn
@@ -72,13 +84,78 @@ class SdpaOnPadded(SdpaDense):
     reference_kind = "dense"
 
 
+class FastVideoVsa(Impl):
+    """FastVideo's whole VSA op (fastvideo_kernel.video_sparse_attn: Triton pooling, coarse
+    attention in torch, Triton top-k, Triton block-sparse attention without the compiled
+    extension) on ``[B, H, S, D]`` contiguous views of the same tiled tensors. It selects its
+    own top-k from its bf16 coarse scores; its pad query slots hold values, which the accuracy
+    check zeroes (vidattn's are 0), outside the timed call."""
+
+    name, reference_kind = "fastvideo-vsa", "vsa"
+    backend = "fastvideo_kernel.video_sparse_attn (Triton path)"
+    layout = "bhsd"
+
+    def unavailable_reason(self, device):
+        return peers.fastvideo_unavailable(device)
+
+    def skip_reason(self, device, dtype, shape):
+        if dtype not in (torch.bfloat16, torch.float16):
+            return f"{self.name}: needs bf16/fp16"
+        if shape.tile != (4, 4, 4):
+            return f"{self.name}: 4x4x4 tiles only"
+        return None
+
+    def forward(self, inputs: VsaInputs) -> torch.Tensor:
+        import fastvideo_kernel
+
+        from ..vsa import topk_from_sparsity
+
+        tiling = inputs.tiling
+        sizes = inputs.memo.get("block_sizes_i32")
+        if sizes is None:
+            sizes = inputs.memo["block_sizes_i32"] = tiling.block_sizes.to(torch.int32).contiguous()
+        q, k, v = (t.transpose(1, 2) for t in (inputs.q, inputs.k, inputs.v))
+        out = fastvideo_kernel.video_sparse_attn(
+            q, k, v, sizes, sizes, topk_from_sparsity(inputs.sparsity, tiling.num_tiles),
+            block_size=tuple(tiling.tile_shape))
+        return out.transpose(1, 2)
+
+    def to_common(self, result, inputs):
+        return result * inputs.tiling.slot_valid.to(result.dtype)[None, :, None, None]
+
+
 def _selection(inputs: VsaInputs):
+    """The selection vidattn's op makes on these inputs; where that op cannot run (no kernel
+    for the device yet), the same rule (top-k of the coarse scores) computed here in float64."""
     import vidattn
 
-    with torch.no_grad():
-        _, (index, count) = vidattn.video_sparse_attention(
-            inputs.q, inputs.k, inputs.v, tiling=inputs.tiling, sparsity=inputs.sparsity,
-            scale=inputs.scale, return_selection=True)
+    try:
+        with torch.no_grad():
+            _, (index, count) = vidattn.video_sparse_attention(
+                inputs.q, inputs.k, inputs.v, tiling=inputs.tiling, sparsity=inputs.sparsity,
+                scale=inputs.scale, return_selection=True)
+        return index, count
+    except (NotImplementedError, RuntimeError, AttributeError):
+        return _selection64(inputs)
+
+
+def _selection64(inputs: VsaInputs):
+    from ..vsa import topk_from_sparsity
+
+    tiling = inputs.tiling
+    b, _, h, d = inputs.q.shape
+    sizes = tiling.block_sizes.double().clamp(min=1)[None, :, None, None]
+    valid = tiling.slot_valid[None, :, None, None]
+
+    def pool(t):
+        t = t.double() * valid
+        return t.view(b, tiling.num_tiles, tiling.tile_volume, h, -1).sum(2) / sizes
+
+    scale = inputs.scale if inputs.scale is not None else d ** -0.5
+    scores = torch.einsum("bthd,buhd->bhtu", pool(inputs.q), pool(inputs.k)) * scale
+    topk = topk_from_sparsity(inputs.sparsity, tiling.num_tiles)
+    index = scores.topk(topk, dim=-1).indices.sort(dim=-1).values.to(torch.int32)
+    count = torch.full(index.shape[:-1], topk, dtype=torch.int32, device=index.device)
     return index, count
 
 
@@ -163,7 +240,8 @@ class VsaCase(Case):
 
 def vsa_case(device: torch.device) -> VsaCase:
     if device.type == "cuda":
-        return VsaCase([VidattnVsa(), VidattnDenseOverTokens(), SdpaOnPadded("CUDNN_ATTENTION")],
+        return VsaCase([VidattnVsa(), VidattnDenseOverTokens(), SdpaOnPadded("CUDNN_ATTENTION"),
+                        FastVideoVsa()],
                        peer_order=("sdpa-cudnn", "vidattn-dense"))
     # The ratio is to our dense attention (the issue's measure); PyTorch's SDPA on the same
     # padded tensors is there for context.
