@@ -76,7 +76,7 @@ def format_notes(rows: Sequence[dict], meta: dict) -> str:
         "max abs err: vs a float64 reference on the same inputs (bwd: max over dq, dk, dv); "
         "ref = the batches/heads it covers ('all' or bX/B hY/H)",
     ]
-    ours = [r for r in rows if r.get("ratios_to_peers")]
+    ours = [r for r in rows if r["is_ours"] and r.get("ratios_to_peers")]
     for r in ours:
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios_to_peers"].items())
         notes.append(f"{r['impl']} {r['shape_label']} {r['dtype']} {r['direction']}: "

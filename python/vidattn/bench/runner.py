@@ -210,19 +210,16 @@ def _compare_to_peer(rows: list[dict], peer_order: Sequence[str]) -> None:
 
 
 def _ratios_to_every_peer(rows: list[dict]) -> None:
-    """For vidattn's rows: ``ratios_to_peers`` = {peer: peer time / this time} and
-    ``err_ratios_to_peers`` = {peer: this error / the peer's error} for every peer that ran."""
-    done = [r for r in rows if r["status"] == "ok"]
+    """For every row: ``ratios_to_peers`` = {peer: peer time / this time} and
+    ``err_ratios_to_peers`` = {peer: this error / the peer's error}, over every other peer
+    (not vidattn) of the group that ran; empty for rows that did not run."""
+    peers = [r for r in rows if r["status"] == "ok" and not r["is_ours"]]
     for row in rows:
-        if not row["is_ours"]:
-            continue
-        peers = [r for r in done if not r["is_ours"]]
-        ok = row["status"] == "ok"
-        row["ratios_to_peers"] = {p["impl"]: p["median_ms"] / row["median_ms"]
-                                  for p in peers} if ok else {}
+        others = [p for p in peers if p is not row] if row["status"] == "ok" else []
+        row["ratios_to_peers"] = {p["impl"]: p["median_ms"] / row["median_ms"] for p in others}
         row["err_ratios_to_peers"] = {p["impl"]: (row["max_abs_err"] / p["max_abs_err"]
                                                   if p["max_abs_err"] > 0 else None)
-                                      for p in peers} if ok else {}
+                                      for p in others}
 
 
 def _first_line(e: BaseException) -> str:
