@@ -350,3 +350,34 @@ def test_cli_tiny_sparse_rows_json_and_png(tmp_path):
     ours = next(r for r in doc["rows"] if r["impl"] == "vidattn" and r["direction"] == "fwd")
     assert ours["peer"] == "flex" and set(ours["ratios_to_peers"]) == {"flex"}
     assert out.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_vsa_case_backward_against_its_references():
+    """The VSA case's backward rows: each implementation's dq, dk, dv on token slots against
+    its own float64 reference (VSA with vidattn's selection, dense over tokens, dense over
+    every slot), with a gradient that is 0 on pad slots."""
+    from vidattn.bench.cases import SdpaDense
+    from vidattn.bench.vsa_case import vsa_case
+
+    case = vsa_case(CPU)
+    assert "bwd" in case.directions
+    shape = shapes.vsa(1, 2, (5, 6, 7), 16, 0.6)
+    inputs = case.make_inputs(shape, torch.float32, CPU, _gen(31))
+    grad_out = case.make_grad_out(inputs, _gen(32))
+    pads = ~inputs.tiling.slot_valid
+    assert pads.any() and (grad_out[:, pads] == 0).all() and grad_out.abs().sum() > 0
+    plan = Plan(shapes=[shape], dtypes=["fp32"], directions=["bwd"], cases=[case], device=CPU,
+                timer=CpuTimer(warmup=0, repeats=1))
+    rows = run_plan(plan)
+    assert {r["impl"] for r in rows} == {"vidattn-vsa", "vidattn-dense", "sdpa"}
+    for r in rows:
+        assert r["status"] == "ok" and set(r["errors"]) == {"dq", "dk", "dv"}, r
+        assert r["max_abs_err"] < 1e-5, r
+        assert r["flops"] == 2.5 * 4 * 2 * shape.q_len ** 2 * 16
+    # The references differ from each other, so each row really met its own.
+    scope = __import__("vidattn.bench.reference", fromlist=["RefScope"]).RefScope(1, 2, 1, 2)
+    vsa_grads = case.reference_backward(inputs, grad_out, scope, "vsa")
+    dense_grads = case.reference_backward(inputs, grad_out, scope, "dense-tokens")
+    assert max(float((a - b).abs().max()) for a, b in zip(vsa_grads, dense_grads)) > 1e-3
+    assert all((g[:, pads] == 0).all() for g in vsa_grads)
+    assert isinstance(case.impls[2], SdpaDense)

@@ -241,7 +241,7 @@ class BlockSparseCase(Case):
         with torch.no_grad():
             return (self._reference(inputs, scope, False)[1],)
 
-    def reference_backward(self, inputs, grad_out, scope):
+    def reference_backward(self, inputs, grad_out, scope, kind=""):
         with torch.enable_grad():
             leaves, out = self._reference(inputs, scope, True)
             return torch.autograd.grad(out, leaves, scope.take(grad_out).to(torch.float64))

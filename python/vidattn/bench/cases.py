@@ -115,9 +115,13 @@ class Case:
                           kind: str = "") -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
-    def reference_backward(self, inputs, grad_out: torch.Tensor,
-                           scope: RefScope) -> tuple[torch.Tensor, ...]:
+    def reference_backward(self, inputs, grad_out: torch.Tensor, scope: RefScope,
+                           kind: str = "") -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
+
+    def common_grads(self, grads, inputs) -> tuple[torch.Tensor, ...]:
+        """Gradients as they are compared with the reference (outside the timed call)."""
+        return tuple(grads)
 
     output_names = ("out",)
     grad_names: tuple[str, ...] = ()
@@ -210,7 +214,7 @@ class DenseCase(Case):
             scale=inputs.scale, causal=inputs.causal)
         return (out,)
 
-    def reference_backward(self, inputs: DenseInputs, grad_out, scope: RefScope):
+    def reference_backward(self, inputs: DenseInputs, grad_out, scope: RefScope, kind: str = ""):
         return reference.attention_backward(
             scope.take(inputs.q), scope.take(inputs.k), scope.take(inputs.v),
             scope.take(grad_out), scale=inputs.scale, causal=inputs.causal)

@@ -116,14 +116,9 @@ def run_plan(plan: Plan, progress: Callable[[int], None] = lambda n: None,
 def _run_group(plan, case, shape, dtype, dtype_name, direction, inputs, gen) -> list[dict]:
     flops = direction_flops(case, shape, direction)
     scope = reference.choose_scope(shape, direction, plan.device.type, plan.ref_heads)
-    grad_out = None
-    if direction == "bwd":
-        grad_out = case.make_grad_out(inputs, gen)
-        expected = case.reference_backward(inputs, grad_out, scope)
-        names = case.grad_names
-    else:
-        names = case.output_names
-        references = {}  # one per kind the implementations that run ask for (most cases: one)
+    grad_out = case.make_grad_out(inputs, gen) if direction == "bwd" else None
+    names = case.grad_names if direction == "bwd" else case.output_names
+    references = {}  # one per kind the implementations that run ask for (most cases: one)
 
     rows, prepared, layouts = [], [], {}
     for impl in case.impls:
@@ -151,11 +146,14 @@ def _run_group(plan, case, shape, dtype, dtype_name, direction, inputs, gen) -> 
             rows.append(_skipped(base, f"{impl.name}: {type(e).__name__}: {_first_line(e)}"))
             _free(plan.device)
             continue
-        if direction == "fwd":
-            if impl.reference_kind not in references:
-                references[impl.reference_kind] = case.reference_forward(inputs, scope,
-                                                                         impl.reference_kind)
-            expected = references[impl.reference_kind]
+        kind = impl.reference_kind
+        if kind not in references:
+            references[kind] = (case.reference_backward(inputs, grad_out, scope, kind)
+                                if direction == "bwd" else case.reference_forward(inputs, scope,
+                                                                                  kind))
+        expected = references[kind]
+        if direction == "bwd":
+            p.results = case.common_grads(p.results, inputs)
         errors = {n: reference.max_abs_error(scope.take(r), e)
                   for n, r, e in zip(names, p.results, expected)}
         p.results = ()
