@@ -381,3 +381,16 @@ def test_vsa_case_backward_against_its_references():
     assert max(float((a - b).abs().max()) for a, b in zip(vsa_grads, dense_grads)) > 1e-3
     assert all((g[:, pads] == 0).all() for g in vsa_grads)
     assert isinstance(case.impls[2], SdpaDense)
+
+
+def test_vsa_inputs_are_the_tiled_tokens():
+    """The VSA case tiles its inputs with plain torch indexing (no vidattn kernel needed on
+    the device): it must equal VideoTiling.tile of the same raster tensor."""
+    from vidattn.bench.vsa_case import VsaCase
+
+    shape = shapes.vsa(2, 3, (5, 6, 7), 8, 0.5)
+    inputs = VsaCase([], ()).make_inputs(shape, torch.float32, CPU, _gen(40))
+    # The same draws as make_inputs (q first), tiled by vidattn's op.
+    raster_q = torch.randn(2, inputs.tiling.num_tokens, 3, 8, generator=_gen(40))
+    assert torch.equal(inputs.tiling.tile(raster_q), inputs.q)
+    assert (inputs.q[:, ~inputs.tiling.slot_valid] == 0).all() and inputs.q.is_contiguous()

@@ -162,8 +162,8 @@ class FlexBlockSparse(Impl):
     layout = "bhsd"
 
     def __init__(self, device_type: str):
-        self.backend = ("torch FlexAttention, torch.compile, BlockMask 64x64" if device_type == "cuda"
-                        else "torch FlexAttention, eager, BlockMask 64x64")
+        mode = "torch.compile" if device_type == "cuda" else "eager"
+        self.backend = f"torch FlexAttention, {mode}, BlockMask 64x64"
 
     def unavailable_reason(self, device):
         return peers.flex_unavailable(device)

@@ -35,8 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "fp32,bf16 on CPU and bf16 on CUDA)")
     p.add_argument("--shapes", type=_csv, default=None,
                    help=f"comma list of presets or shapes like b1h4s1024d64 (k<len> for another "
-                        f"kv length, trailing c for causal). Presets: {presets}. Default: quick "
-                        "on CPU, video on CUDA")
+                        f"kv length, trailing c for causal, trailing sp0.875 for block-sparse at "
+                        f"that sparsity). Presets: {presets}. Default: quick on CPU, video on "
+                        "CUDA")
     p.add_argument("--directions", type=_csv, default=None,
                    help="comma list of fwd, bwd (default: the preset's, usually both)")
     p.add_argument("--cases", type=_csv, default=list(cases_mod.CASE_NAMES),

@@ -203,10 +203,15 @@ class VsaCase(Case):
 
         tiling = vidattn.VideoTiling(grid=shape.grid, tile=shape.tile, device=device)
 
+        # Tiled with plain torch indexing (what tiling.tile computes), so that the inputs exist
+        # on a device where vidattn's gather op has no kernel yet.
+        source = tiling.slot_to_token.long().clamp(min=0)
+        valid = tiling.slot_valid[None, :, None, None]
+
         def randn():
             t = torch.randn(shape.batch, tiling.num_tokens, shape.heads, shape.head_dim,
                             device=device, generator=generator, dtype=torch.float32)
-            return tiling.tile((t * input_scale).to(dtype))
+            return ((t * input_scale).to(dtype).index_select(1, source) * valid).contiguous()
 
         return VsaInputs(randn(), randn(), randn(), tiling, shape.sparsity)
 
