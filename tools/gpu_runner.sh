@@ -10,6 +10,8 @@
 #   CMAKE_ARGS="-DVIDATTN_CUDA_TARGETS=90a" bash tools/gpu_runner.sh   # extra configure arguments
 #   VIDATTN_GIT_COMMIT=<hash> names the commit in the bench JSON when the tree has no .git
 #   BENCH_ARGS="--shapes gpu-dense --out $OUT/bench.json" bash tools/gpu_runner.sh
+#   FASTVIDEO_DIR=../fastvideo BENCH_ARGS="--shapes gpu-suite" ...   # FastVideo's Triton peers
+#     (a folder holding fastvideo_kernel/, made by tools/fastvideo_peer.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(pwd)/gpu-run}
@@ -25,6 +27,9 @@ declare -a SUMMARY=()
 if compgen -G ".whl/*.whl" >/dev/null; then
   $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/vidattn-site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/vidattn-site
+fi
+if [ -n "${FASTVIDEO_DIR:-}" ]; then
+  export PYTHONPATH=$PYTHONPATH:$(cd "$FASTVIDEO_DIR" && pwd)
 fi
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 # stage NAME TIMEOUT_S CMD...: runs CMD with a time limit, logs to $LOGS/NAME.log.

@@ -145,26 +145,26 @@ class _NoKernelHere(Impl):
                                   "'CUDA' backend.")
 
 
-def test_runner_keeps_unimplemented_rows_as_skipped(tmp_path):
+def test_runner_keeps_unimplemented_rows_as_unavailable(tmp_path):
     case = DenseCase([_NoKernelHere(), SdpaDense()], peer_order=("sdpa",))
     plan = Plan(shapes=[shapes.Shape(1, 2, 16, 24, 8)], dtypes=["fp32"],
                 directions=["fwd", "bwd"], cases=[case], device=torch.device("cpu"),
                 timer=CpuTimer(warmup=0, repeats=1))
     rows = run_plan(plan)
     assert [(r["impl"], r["direction"], r["status"]) for r in rows] == [
-        ("vidattn", "fwd", "skipped"), ("sdpa", "fwd", "ok"),
-        ("vidattn", "bwd", "skipped"), ("sdpa", "bwd", "ok")]
+        ("vidattn", "fwd", "unavailable"), ("sdpa", "fwd", "ok"),
+        ("vidattn", "bwd", "unavailable"), ("sdpa", "bwd", "ok")]
     for r in rows:
-        if r["status"] == "skipped":
+        if r["status"] == "unavailable":
             assert "not implemented on cpu" in r["note"] and "median_ms" not in r
             assert r["ratio_to_peer"] is None
         else:
             assert r["max_abs_err"] < 1e-5 and r["peer"] == "sdpa"
     table = report.format_table(rows)
-    assert table.count("skipped") == 2
+    assert table.count("unavailable") == 2
     meta = {"device": "cpu-test-1t", "device_description": "test", "threads": 1,
             "torch_version": torch.__version__, "git_commit": None, "timer": "test"}
-    assert "skipped: vidattn: not implemented on cpu" in report.format_notes(rows, meta)
+    assert "unavailable: vidattn: not implemented on cpu" in report.format_notes(rows, meta)
     report.write_json(tmp_path / "r.json", meta, rows)
     assert len(json.loads((tmp_path / "r.json").read_text())["rows"]) == 4
     write_plot(tmp_path / "r.png", rows, "test")

@@ -1,10 +1,13 @@
-"""What the bench runs: a *case* is one problem (dense attention now; block-sparse, VSA, ...
-later) with its implementations: vidattn's and the peers it is compared against.
+"""What the bench runs: a *case* is one problem (dense attention here; block-sparse in
+blocksparse_case.py, the whole VSA op in vsa_case.py) with its implementations: vidattn's and
+the peers it is compared against.
 
 A new case subclasses ``Case`` (inputs, FLOPs, float64 reference) and lists its ``Impl``s;
-``cases_for`` picks the cases and implementations that exist on a device. An
-implementation that cannot run a configuration says why in ``skip_reason`` (or raises
-``NotImplementedError`` when called); the row is then kept, marked skipped, with that note.
+``cases_for`` picks the cases and implementations that exist on a device. An implementation
+that is not there (a peer package that does not import, an op without a kernel for the device:
+``unavailable_reason``, or ``NotImplementedError`` when called) gives a row marked
+``unavailable``; one that cannot run a configuration (``skip_reason``, or a RuntimeError such as
+out of memory) gives a row marked ``skipped``. Either way the row is kept with the reason.
 """
 from __future__ import annotations
 
@@ -39,6 +42,18 @@ class DenseInputs:
                        k=self.k.detach().requires_grad_(), v=self.v.detach().requires_grad_())
 
 
+def to_layout(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """A ``[B, S, H, D]`` tensor with the same values whose memory is laid out as ``layout``:
+    ``bshd`` (as given) or ``bhsd`` (a ``[B, H, S, D]``-contiguous copy, seen through a
+    transposed view), so that a peer taking ``[B, H, S, D]`` gets contiguous tensors by a
+    transpose, without a copy inside the timed call."""
+    if layout == "bshd":
+        return t
+    if layout == "bhsd":
+        return t.transpose(1, 2).contiguous().transpose(1, 2)
+    raise ValueError(f"unknown layout {layout!r}; expected bshd or bhsd")
+
+
 class Impl:
     """One implementation of a case. ``forward`` returns the output ``[B, Sq, H, Dv]``."""
 
@@ -46,12 +61,30 @@ class Impl:
     backend = ""  # what actually runs, for the JSON
     is_ours = False
     reference_kind = ""  # which of its case's float64 references this computes ("": the one)
+    layout = "bshd"  # memory layout of the q, k, v (and grad_out) it is handed; see to_layout
+
+    def unavailable_reason(self, device: torch.device) -> Optional[str]:
+        """Why this implementation is not there at all (package missing, op not built)."""
+        return None
 
     def skip_reason(self, device: torch.device, dtype: torch.dtype, shape: Shape) -> Optional[str]:
         return None
 
     def forward(self, inputs) -> torch.Tensor:
         raise NotImplementedError
+
+    def to_common(self, result: torch.Tensor, inputs) -> torch.Tensor:
+        """A forward output as the reference has it (outside the timed call); most are already."""
+        return result
+
+
+def missing_vidattn_op(name: str) -> Optional[str]:
+    """A reason when ``torch.ops.vidattn.<name>`` is not registered (op library not loaded)."""
+    try:
+        getattr(torch.ops.vidattn, name)
+    except (AttributeError, RuntimeError):
+        return f"torch.ops.vidattn.{name} is not registered (op library not built or loaded)"
+    return None
 
 
 class Case:
@@ -64,8 +97,8 @@ class Case:
     directions: Sequence[str] = ("fwd", "bwd")  # the directions this case can check
 
     def accepts(self, shape: Shape) -> bool:
-        """Whether ``shape`` is a problem of this case (dense shapes vs video grids)."""
-        return shape.grid is None
+        """Whether ``shape`` is a problem of this case (dense, block-sparse or video grid)."""
+        return shape.kind == self.name
 
     def forward_flops(self, shape: Shape) -> float:
         raise NotImplementedError
@@ -82,9 +115,13 @@ class Case:
                           kind: str = "") -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
 
-    def reference_backward(self, inputs, grad_out: torch.Tensor,
-                           scope: RefScope) -> tuple[torch.Tensor, ...]:
+    def reference_backward(self, inputs, grad_out: torch.Tensor, scope: RefScope,
+                           kind: str = "") -> tuple[torch.Tensor, ...]:
         raise NotImplementedError
+
+    def common_grads(self, grads, inputs) -> tuple[torch.Tensor, ...]:
+        """Gradients as they are compared with the reference (outside the timed call)."""
+        return tuple(grads)
 
     output_names = ("out",)
     grad_names: tuple[str, ...] = ()
@@ -94,6 +131,9 @@ class Case:
 
 class VidattnDense(Impl):
     name, backend, is_ours = "vidattn", "vidattn.attention", True
+
+    def unavailable_reason(self, device):
+        return missing_vidattn_op("attention")
 
     def forward(self, inputs: DenseInputs) -> torch.Tensor:
         import vidattn  # the bench is part of the package; imported late to keep the cli light
@@ -174,20 +214,21 @@ class DenseCase(Case):
             scale=inputs.scale, causal=inputs.causal)
         return (out,)
 
-    def reference_backward(self, inputs: DenseInputs, grad_out, scope: RefScope):
+    def reference_backward(self, inputs: DenseInputs, grad_out, scope: RefScope, kind: str = ""):
         return reference.attention_backward(
             scope.take(inputs.q), scope.take(inputs.k), scope.take(inputs.v),
             scope.take(grad_out), scale=inputs.scale, causal=inputs.causal)
 
 
-CASE_NAMES = ("dense", "vsa")
+CASE_NAMES = ("dense", "blocksparse", "vsa")
 
 
 def cases_for(device: torch.device, names: Sequence[str] = CASE_NAMES) -> list[Case]:
     """The cases named, with the implementations that exist on ``device``."""
+    from .blocksparse_case import blocksparse_case
     from .vsa_case import vsa_case
 
-    available = {"vsa": vsa_case(device)}
+    available = {"vsa": vsa_case(device), "blocksparse": blocksparse_case(device)}
     if device.type == "cuda":
         # targets.md measures against cuDNN first; FA2 and the default dispatch for context.
         available["dense"] = DenseCase(

@@ -35,13 +35,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "fp32,bf16 on CPU and bf16 on CUDA)")
     p.add_argument("--shapes", type=_csv, default=None,
                    help=f"comma list of presets or shapes like b1h4s1024d64 (k<len> for another "
-                        f"kv length, trailing c for causal). Presets: {presets}. Default: quick "
-                        "on CPU, video on CUDA")
+                        f"kv length, trailing c for causal, trailing sp0.875 for block-sparse at "
+                        f"that sparsity). Presets: {presets}. Default: quick on CPU, video on "
+                        "CUDA")
     p.add_argument("--directions", type=_csv, default=None,
                    help="comma list of fwd, bwd (default: the preset's, usually both)")
     p.add_argument("--cases", type=_csv, default=list(cases_mod.CASE_NAMES),
-                   help="comma list of dense, vsa (default: both; each runs the shapes of its "
-                        "kind: plain lengths for dense, video grids for vsa)")
+                   help="comma list of dense, blocksparse, vsa (default: all; each runs the "
+                        "shapes of its kind: plain lengths for dense, lengths with a sparsity "
+                        "(sp0.875) for blocksparse, video grids for vsa)")
     p.add_argument("--draw-selection", type=Path, default=None, metavar="PNG",
                    help="also draw the key tiles VSA selects for each query tile (batch 0, "
                         "head 0) on the first video shape, to this PNG")
@@ -60,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "the git checkout of the current directory, the preset named unless it "
                         "is the device's default); the PNG goes next to it")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar; print each row to stderr as it is done instead")
     p.add_argument("--seed", type=int, default=0, help="base seed of the random inputs")
     p.add_argument("--input-scale", type=float, default=1.0,
                    help="standard deviation of q, k, v (targets.md sweeps 1, 4, 16)")
@@ -128,6 +131,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     meta = environment.metadata(device, threads, argv)
     meta.update(timer=plan.timer.name, seed=args.seed, input_scale=args.input_scale)
+    from .peers import fastvideo_info
+
+    meta["peers"] = {"fastvideo_kernel": fastvideo_info(),
+                     "flex_attention": f"torch {torch.__version__}"}
     out = args.out or default_out(meta, args.shapes, DEFAULT_PRESET[device.type])
 
     from tqdm import tqdm
@@ -135,7 +142,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     started = time.perf_counter()
     with tqdm(total=plan.row_count, desc="vidattn.bench", unit="row", file=sys.stderr,
               disable=args.no_progress, dynamic_ncols=True) as bar:
-        rows = run_plan(plan, progress=bar.update)
+        rows = run_plan(plan, progress=bar.update,
+                        on_rows=(lambda group: print(report.format_rows_brief(group),
+                                                     file=sys.stderr, flush=True))
+                        if args.no_progress else (lambda group: None))
     meta["wall_s"] = round(time.perf_counter() - started, 3)
 
     print(report.format_table(rows))

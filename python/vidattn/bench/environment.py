@@ -53,11 +53,12 @@ def _git(*args: str) -> Optional[str]:
 
 def git_info() -> dict:
     """Commit of the checkout the bench code lives in (None when installed from a wheel) and
-    whether its tracked files differ from it."""
-    commit = _git("rev-parse", "HEAD")
-    if commit is None and os.environ.get("VIDATTN_GIT_COMMIT"):
-        # A copy of the tree without .git (the GPU runner's): the caller names the commit.
+    whether its tracked files differ from it. ``VIDATTN_GIT_COMMIT`` wins when set: a copy of
+    the tree (the GPU machine's) may have no .git, or sit inside another checkout whose commit
+    git would report."""
+    if os.environ.get("VIDATTN_GIT_COMMIT"):
         return {"git_commit": os.environ["VIDATTN_GIT_COMMIT"], "git_dirty": None}
+    commit = _git("rev-parse", "HEAD")
     # Modified tracked files, not counting bench results (written by the bench itself).
     status = _git("status", "--porcelain", "--untracked-files=no", "--", ":(top)",
                   ":(top,exclude)bench/results")

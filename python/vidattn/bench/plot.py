@@ -16,6 +16,8 @@ def write_plot(path: Path, rows: Sequence[dict], title: str) -> None:
     impls = list(dict.fromkeys(r["impl"] for r in rows))
     ok = {(r["case"], r["shape_label"], r["dtype"], r["direction"], r["impl"]): r
           for r in rows if r["status"] == "ok"}
+    missing = {(r["case"], r["shape_label"], r["dtype"], r["direction"], r["impl"])
+               for r in rows if r["status"] != "ok"}
     width = 0.8 / max(len(impls), 1)
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(groups) * max(len(impls), 2) / 2), 4.5))
     for i, impl in enumerate(impls):
@@ -27,6 +29,11 @@ def write_plot(path: Path, rows: Sequence[dict], title: str) -> None:
                 ys.append(row["tflops"])
                 rs.append(row.get("ratio_to_peer"))
         bars = ax.bar(xs, ys, width, label=impl)
+        for g, key in enumerate(groups):  # rows that did not run (unavailable, skipped): "n/a"
+            if (*key, impl) in missing:
+                ax.annotate("n/a", (g + (i - (len(impls) - 1) / 2) * width, 0), ha="center",
+                            va="bottom", fontsize=6, rotation=90,
+                            color=bars.patches[0].get_facecolor() if bars.patches else "grey")
         for bar, ratio in zip(bars, rs):
             if ratio is not None:  # speed relative to the peer, on top of the bar
                 ax.annotate(f"{ratio:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),

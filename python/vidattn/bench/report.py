@@ -29,7 +29,7 @@ def _num(value: Optional[float]) -> str:
 def _cells(row: dict) -> list[str]:
     head = [row["shape_label"], row["impl"], row["dtype"], row["direction"]]
     if row["status"] != "ok":
-        return head + ["skipped", "-", "-", "-", "-"]
+        return head + [row["status"], "-", "-", "-", "-"]
     if row["ratio_to_peer"] is not None:
         r = row["ratio_to_peer"]
         ratio = f"{r:.2f}" if r >= 0.1 else f"{r:.2g}"
@@ -53,6 +53,19 @@ def format_table(rows: Sequence[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_rows_brief(rows: Sequence[dict]) -> str:
+    """One line a row, for logs while the bench runs."""
+    lines = []
+    for r in rows:
+        what = f"{r['case']} {r['shape_label']} {r['dtype']} {r['direction']} {r['impl']}:"
+        if r["status"] == "ok":
+            lines.append(f"{what} {r['median_ms']:.4g} ms, {r['tflops']:.4g} TFLOP/s, "
+                         f"max abs err {r['max_abs_err']:.3g}")
+        else:
+            lines.append(f"{what} {r['status']} ({r['note']})")
+    return "\n".join(lines)
+
+
 def format_notes(rows: Sequence[dict], meta: dict) -> str:
     peers = sorted({r["peer"] for r in rows if r.get("peer")})
     notes = [
@@ -63,8 +76,19 @@ def format_notes(rows: Sequence[dict], meta: dict) -> str:
         "max abs err: vs a float64 reference on the same inputs (bwd: max over dq, dk, dv); "
         "ref = the batches/heads it covers ('all' or bX/B hY/H)",
     ]
-    skipped = [r["note"] for r in rows if r["status"] != "ok"]
-    notes += [f"skipped: {n}" for n in dict.fromkeys(skipped)]  # once each, in order
+    ours = [r for r in rows if r["is_ours"] and r.get("ratios_to_peers")]
+    for r in ours:
+        ratios = ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios_to_peers"].items())
+        notes.append(f"{r['impl']} {r['shape_label']} {r['dtype']} {r['direction']}: "
+                     f"vs every peer: {ratios}")
+    fastvideo = meta.get("peers", {}).get("fastvideo_kernel")
+    if fastvideo is not None:
+        notes.append("fastvideo-kernel: " + (
+            f"{fastvideo.get('version')} (compiled extension: "
+            f"{'yes' if fastvideo.get('compiled_extension') else 'no, Triton only'})"
+            if fastvideo.get("available") else fastvideo.get("reason", "not available")))
+    skipped = [(r["status"], r["note"]) for r in rows if r["status"] != "ok"]
+    notes += [f"{status}: {n}" for status, n in dict.fromkeys(skipped)]  # once each, in order
     return "\n".join(notes)
 
 

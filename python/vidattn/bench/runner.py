@@ -8,7 +8,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from . import reference
-from .cases import DTYPES, Case, Impl, dtype_of
+from .cases import DTYPES, Case, Impl, dtype_of, to_layout
 from .shapes import Shape
 
 BWD_FLOP_FACTOR = 2.5  # targets.md: backward FLOPs = 2.5 x forward
@@ -69,7 +69,7 @@ def _prepare(impl: Impl, inputs, direction: str, grad_out) -> _Prepared:
             with torch.no_grad():
                 return impl.forward(inputs)
 
-        return _Prepared(impl, run, (run(),))
+        return _Prepared(impl, run, (impl.to_common(run(), inputs),))
     leaves = inputs.requiring_grad()
     out = impl.forward(leaves)
     tensors = leaves.differentiable()
@@ -80,11 +80,23 @@ def _prepare(impl: Impl, inputs, direction: str, grad_out) -> _Prepared:
     return _Prepared(impl, run, tuple(run()))
 
 
-def _skipped(base: dict, note: str) -> dict:
-    return {**base, "status": "skipped", "note": note}
+def _in_layout(inputs, grad_out, layout: str, memo: dict):
+    """The group's inputs (and grad_out) in ``layout``, converted once per group."""
+    if layout == "bshd" or not hasattr(inputs, "in_layout"):
+        return inputs, grad_out
+    if layout not in memo:
+        memo[layout] = (inputs.in_layout(layout),
+                        None if grad_out is None else to_layout(grad_out, layout))
+    return memo[layout]
 
 
-def run_plan(plan: Plan, progress: Callable[[int], None] = lambda n: None) -> list[dict]:
+def _skipped(base: dict, note: str, status: str = "skipped") -> dict:
+    return {**base, "status": status, "note": note}
+
+
+def run_plan(plan: Plan, progress: Callable[[int], None] = lambda n: None,
+             on_rows: Callable[[list[dict]], None] = lambda rows: None) -> list[dict]:
+    """All rows; ``on_rows`` sees each group's rows as soon as they are done."""
     rows: list[dict] = []
     for shape_index, shape, dtype_name, case in plan.groups():
         dtype = dtype_of(dtype_name)
@@ -93,7 +105,9 @@ def run_plan(plan: Plan, progress: Callable[[int], None] = lambda n: None) -> li
         gen = _generator(plan.device, seed)
         inputs = case.make_inputs(shape, dtype, plan.device, gen, plan.input_scale)
         for direction in plan.directions_of(case):
-            rows.extend(_run_group(plan, case, shape, dtype, dtype_name, direction, inputs, gen))
+            group = _run_group(plan, case, shape, dtype, dtype_name, direction, inputs, gen)
+            rows.extend(group)
+            on_rows(group)
             progress(len(case.impls))
         del inputs
     return rows
@@ -102,39 +116,44 @@ def run_plan(plan: Plan, progress: Callable[[int], None] = lambda n: None) -> li
 def _run_group(plan, case, shape, dtype, dtype_name, direction, inputs, gen) -> list[dict]:
     flops = direction_flops(case, shape, direction)
     scope = reference.choose_scope(shape, direction, plan.device.type, plan.ref_heads)
-    grad_out = None
-    if direction == "bwd":
-        grad_out = case.make_grad_out(inputs, gen)
-        expected = case.reference_backward(inputs, grad_out, scope)
-        names = case.grad_names
-    else:
-        names = case.output_names
-        # One reference per kind the implementations ask for (most cases have one).
-        references = {kind: case.reference_forward(inputs, scope, kind)
-                      for kind in dict.fromkeys(impl.reference_kind for impl in case.impls)}
+    grad_out = case.make_grad_out(inputs, gen) if direction == "bwd" else None
+    names = case.grad_names if direction == "bwd" else case.output_names
+    references = {}  # one per kind the implementations that run ask for (most cases: one)
 
-    rows, prepared = [], []
+    rows, prepared, layouts = [], [], {}
     for impl in case.impls:
         base = {"case": case.name, "shape": shape.to_json(), "shape_label": shape.label,
                 "impl": impl.name, "backend": impl.backend, "is_ours": impl.is_ours,
                 "dtype": dtype_name, "direction": direction, "flops": flops,
                 "ref_scope": scope.to_json()}
+        reason = impl.unavailable_reason(plan.device)
+        if reason:
+            rows.append(_skipped(base, f"{impl.name}: {reason}", "unavailable"))
+            continue
         reason = impl.skip_reason(plan.device, dtype, shape)
         if reason:
             rows.append(_skipped(base, reason))
             continue
         try:
-            p = _prepare(impl, inputs, direction, grad_out)
+            impl_inputs, impl_grad_out = _in_layout(inputs, grad_out, impl.layout, layouts)
+            p = _prepare(impl, impl_inputs, direction, impl_grad_out)
         except NotImplementedError as e:
             rows.append(_skipped(base, f"{impl.name}: not implemented on "
-                                       f"{plan.device.type} ({_first_line(e)})"))
+                                       f"{plan.device.type} ({_first_line(e)})", "unavailable"))
             continue
-        except RuntimeError as e:  # no kernel for this configuration, out of memory, ...
+        except Exception as e:  # no kernel for this configuration, out of memory, a peer's
+            # compile error, ...: the row says why, the run goes on
             rows.append(_skipped(base, f"{impl.name}: {type(e).__name__}: {_first_line(e)}"))
             _free(plan.device)
             continue
-        if direction == "fwd":
-            expected = references[impl.reference_kind]
+        kind = impl.reference_kind
+        if kind not in references:
+            references[kind] = (case.reference_backward(inputs, grad_out, scope, kind)
+                                if direction == "bwd" else case.reference_forward(inputs, scope,
+                                                                                  kind))
+        expected = references[kind]
+        if direction == "bwd":
+            p.results = case.common_grads(p.results, inputs)
         errors = {n: reference.max_abs_error(scope.take(r), e)
                   for n, r, e in zip(names, p.results, expected)}
         p.results = ()
@@ -147,14 +166,16 @@ def _run_group(plan, case, shape, dtype, dtype_name, direction, inputs, gen) -> 
             _free(plan.device)
     if prepared:
         _time_or_skip(plan, prepared, flops)
+    del layouts
     _compare_to_peer(rows, case.peer_order)
+    _ratios_to_every_peer(rows)
     return rows
 
 
 def _time_or_skip(plan: Plan, prepared, flops: float) -> None:
     try:
         _time(plan.timer, prepared, flops)
-    except RuntimeError as e:  # e.g. out of memory while timing: keep the row, say why
+    except Exception as e:  # e.g. out of memory while timing: keep the row, say why
         for row, p in prepared:
             for key in ("errors", "max_abs_err"):
                 row.pop(key, None)
@@ -184,6 +205,19 @@ def _compare_to_peer(rows: list[dict], peer_order: Sequence[str]) -> None:
         row["err_ratio_to_peer"] = (row["max_abs_err"] / peer["max_abs_err"]
                                     if peer["max_abs_err"] > 0 else None)
         row["peer_max_abs_err"] = peer["max_abs_err"]
+
+
+def _ratios_to_every_peer(rows: list[dict]) -> None:
+    """For every row: ``ratios_to_peers`` = {peer: peer time / this time} and
+    ``err_ratios_to_peers`` = {peer: this error / the peer's error}, over every other peer
+    (not vidattn) of the group that ran; empty for rows that did not run."""
+    peers = [r for r in rows if r["status"] == "ok" and not r["is_ours"]]
+    for row in rows:
+        others = [p for p in peers if p is not row] if row["status"] == "ok" else []
+        row["ratios_to_peers"] = {p["impl"]: p["median_ms"] / row["median_ms"] for p in others}
+        row["err_ratios_to_peers"] = {p["impl"]: (row["max_abs_err"] / p["max_abs_err"]
+                                                  if p["max_abs_err"] > 0 else None)
+                                      for p in others}
 
 
 def _first_line(e: BaseException) -> str:

@@ -20,10 +20,18 @@ class Shape:
     causal: bool = False
     name: str = ""  # model it comes from, if any (e.g. "Wan2.1-14B 720p")
     # Video sparse attention problems: the token grid (T, H, W), the tile and the sparsity;
-    # q_len = kv_len is then the tiled (padded) length.
+    # q_len = kv_len is then the tiled (padded) length. Block-sparse kernel problems have a
+    # sparsity and no grid: q_len = kv_len is a whole number of full 64-token tiles.
     grid: Optional[tuple[int, int, int]] = None
     tile: tuple[int, int, int] = (4, 4, 4)
     sparsity: Optional[float] = None
+
+    @property
+    def kind(self) -> str:
+        """``dense``, ``blocksparse`` (a sparsity, no grid) or ``vsa`` (a video grid)."""
+        if self.grid is not None:
+            return "vsa"
+        return "dense" if self.sparsity is None else "blocksparse"
 
     @property
     def label(self) -> str:
@@ -33,7 +41,8 @@ class Shape:
                     f"s{self.sparsity:g}")
         kv = f"k{self.kv_len}" if self.kv_len != self.q_len else ""
         return (f"B{self.batch} H{self.heads} S{self.q_len}{kv} D{self.head_dim}"
-                + (" causal" if self.causal else ""))
+                + (" causal" if self.causal else "")
+                + (f" s{self.sparsity:g}" if self.sparsity is not None else ""))
 
     def to_json(self) -> dict:
         out = {"batch": self.batch, "heads": self.heads, "q_len": self.q_len,
@@ -41,11 +50,29 @@ class Shape:
                "name": self.name}
         if self.grid is not None:
             out.update(grid=list(self.grid), tile=list(self.tile), sparsity=self.sparsity)
+        elif self.sparsity is not None:
+            out.update(sparsity=self.sparsity, tile_volume=BLOCK_SPARSE_TILE)
         return out
 
 
 def dense(batch: int, heads: int, seq: int, head_dim: int, name: str = "") -> Shape:
     return Shape(batch, heads, seq, seq, head_dim, name=name)
+
+
+# Tokens per tile of the block-sparse kernel problems (vsa.md: 4 x 4 x 4 tiles).
+BLOCK_SPARSE_TILE = 64
+
+
+def block_sparse(batch: int, heads: int, seq: int, head_dim: int, sparsity: float,
+                 name: str = "") -> Shape:
+    """Block-sparse attention over ``seq`` tokens (a multiple of 64) in full 64-token tiles,
+    each query tile attending to ``topk_from_sparsity(sparsity, seq / 64)`` key tiles."""
+    if seq % BLOCK_SPARSE_TILE:
+        raise ValueError(f"--shapes: a block-sparse length must be a multiple of "
+                         f"{BLOCK_SPARSE_TILE}, got {seq}")
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"--shapes: sparsity must be in [0, 1), got {sparsity}")
+    return Shape(batch, heads, seq, seq, head_dim, name=name, sparsity=float(sparsity))
 
 
 def vsa(batch: int, heads: int, grid: tuple[int, int, int], head_dim: int, sparsity: float,
@@ -93,22 +120,56 @@ PRESETS: dict[str, Preset] = {
     # targets.md's measured peers table.
     "gpu-dense": Preset((dense(1, 12, 32768, 128), dense(2, 32, 16384, 64)),
                         about="the dense shapes of targets.md's peer table"),
+    # Block-sparse kernels (64-token tiles) against FlexAttention and FastVideo's Triton kernel
+    # on one shared random selection: the Wan shapes of vsa.md section 6 at 87.5% and 90%
+    # sparsity, and targets.md's peer shape.
+    "gpu-sparse": Preset(tuple(
+        block_sparse(1, heads, seq, 128, sparsity, name)
+        for heads, seq, name in ((12, 39936, "Wan2.1-1.3B 480p"), (40, 92160, "Wan2.1-14B 720p"))
+        for sparsity in (0.875, 0.9)) + (block_sparse(1, 12, 32768, 128, 0.875),),
+        dtypes=("bf16",), about="block-sparse fwd+bwd vs FlexAttention and FastVideo (GPU)"),
+    # Issue #4's side-by-side run: dense, block-sparse and the whole VSA op at the Wan shapes
+    # (plus targets.md's S=32768 H12 peer shape), each case against its peers.
+    "gpu-suite": Preset(
+        (dense(1, 12, 39936, 128, "Wan2.1-1.3B 480p"), dense(1, 40, 92160, 128, "Wan2.1-14B 720p"),
+         dense(1, 12, 32768, 128))
+        + tuple(block_sparse(1, heads, seq, 128, sparsity, name)
+                for heads, seq, name in ((12, 39936, "Wan2.1-1.3B 480p"),
+                                         (40, 92160, "Wan2.1-14B 720p"))
+                for sparsity in (0.875, 0.9))
+        + (block_sparse(1, 12, 32768, 128, 0.875),
+           vsa(1, 12, (21, 30, 52), 128, 0.9, "Wan2.1-1.3B 480p"),
+           vsa(1, 40, (21, 45, 80), 128, 0.9, "Wan2.1-14B 720p")),
+        dtypes=("bf16",), about="dense + block-sparse + whole VSA vs all peers (GPU, issue #4)"),
+    "tiny-sparse": Preset((block_sparse(1, 3, 320, 32, 0.6),),
+                          about="seconds; for tests of the block-sparse case"),
 }
 
-_SPEC = re.compile(r"^b(\d+)h(\d+)s(\d+)(?:k(\d+))?d(\d+)(c?)$")
+_SPEC = re.compile(r"^b(\d+)h(\d+)s(\d+)(?:k(\d+))?d(\d+)(c?)(?:sp([0-9.]+))?$")
 
 
 def parse_shape(spec: str) -> Shape:
     """``b1h4s1024d64``; ``k512`` after the q length sets another kv length, a trailing ``c``
-    makes it causal."""
+    makes it causal, a trailing ``sp0.875`` makes it block-sparse (64-token tiles) at that
+    sparsity."""
     m = _SPEC.match(spec.strip().lower())
     if not m:
         raise ValueError(f"--shapes: {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a "
-                         "shape like b1h4s1024d64, b1h4s1024k512d64 or b1h4s1024d64c (causal)")
-    b, h, sq, sk, d, causal = m.groups()
+                         "shape like b1h4s1024d64, b1h4s1024k512d64, b1h4s1024d64c (causal) or "
+                         "b1h12s39936d128sp0.875 (block-sparse)")
+    b, h, sq, sk, d, causal, sparsity = m.groups()
     shape = Shape(int(b), int(h), int(sq), int(sk or sq), int(d), causal == "c")
     if min(shape.batch, shape.heads, shape.q_len, shape.kv_len, shape.head_dim) < 1:
         raise ValueError(f"--shapes: {spec!r} has a zero size; every size must be >= 1")
+    if sparsity is not None:
+        if sk is not None or causal:
+            raise ValueError(f"--shapes: {spec!r}: a block-sparse shape has one length and is "
+                             "not causal")
+        try:
+            value = float(sparsity)
+        except ValueError:
+            raise ValueError(f"--shapes: {spec!r}: bad sparsity {sparsity!r}") from None
+        return block_sparse(shape.batch, shape.heads, shape.q_len, shape.head_dim, value)
     return shape
 
 
