@@ -10,6 +10,10 @@
 
 #include <vector>
 
+#ifdef VIDATTN_TORCH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
+
 #include "tensor_adapter.h"
 #include "vidattn/vsa.h"
 
@@ -22,6 +26,15 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 int threads() { return at::get_num_threads(); }
+
+// The stream the CUDA kernels run on: PyTorch's current stream of t's device (null for CPU).
+void* stream_of(const Tensor& t) {
+#ifdef VIDATTN_TORCH_CUDA
+  if (t.is_cuda()) return at::cuda::getCurrentCUDAStream(t.get_device()).stream();
+#endif
+  (void)t;
+  return nullptr;
+}
 
 template <class Signature>
 auto find_op(const char* name) {
@@ -295,8 +308,9 @@ struct SparseArgs {
   bool deterministic = true;
 };
 
-BlockSparseOptions options_of(const SparseArgs& a, const char* fn) {
+BlockSparseOptions options_of(const SparseArgs& a, const char* fn, const Tensor& q) {
   BlockSparseOptions o;
+  o.stream = stream_of(q);
   o.tile_volume = a.tile_volume;
   o.q_block_sizes = view_of(a.q_block_sizes, fn, "q_block_sizes");
   o.kv_block_sizes = view_of(a.kv_block_sizes, fn, "kv_block_sizes");
@@ -320,7 +334,7 @@ std::tuple<Tensor, Tensor> block_sparse_attention_kernel(
     const SparseArgs a{tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic};
     const TensorView qv = view_of(q, fn, "q"), kv = view_of(k, fn, "k"), vv = view_of(v, fn, "v");
     const TensorView iv = view_of(q2k_index, fn, "q2k_index"), cv = view_of(q2k_count, fn, "q2k_count");
-    const BlockSparseOptions o = options_of(a, fn);
+    const BlockSparseOptions o = options_of(a, fn, q);
     const BlockSparseProblem p = describe_block_sparse_attention(qv, kv, vv, iv, cv, o);
     Tensor out = at::empty({p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, q.options());
     Tensor lse = at::empty({p.batch, p.heads_q, p.seqlen_q}, q.options().dtype(lse_scalar_type(q)));
@@ -348,7 +362,7 @@ std::tuple<Tensor, Tensor> block_sparse_attention_meta(
       const SparseArgs a{tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic};
       describe_block_sparse_attention(view_of(q, fn, "q"), view_of(k, fn, "k"), view_of(v, fn, "v"),
                                       view_of(q2k_index, fn, "q2k_index"),
-                                      view_of(q2k_count, fn, "q2k_count"), options_of(a, fn));
+                                      view_of(q2k_count, fn, "q2k_count"), options_of(a, fn, q));
     });
   // The output's head dim is v's.
   return std::make_tuple(
@@ -372,7 +386,7 @@ std::tuple<Tensor, Tensor> transpose_index_kernel(const Tensor& q2k_index, const
     block_sparse_transpose_index(view_of(q2k_index, fn, "q2k_index"),
                                  view_of(q2k_count, fn, "q2k_count"), num_kv_tiles,
                                  view_of(offsets, fn, "k2q_offsets"), view_of(index, fn, "k2q_index"),
-                                 threads());
+                                 threads(), stream_of(q2k_index));
     return std::make_tuple(offsets, index);
   });
 }
@@ -411,7 +425,7 @@ std::tuple<Tensor, Tensor, Tensor> block_sparse_backward_kernel(
         view_of(lse, fn, "lse"), view_of(grad_out, fn, "grad_out"),
         view_of(q2k_index, fn, "q2k_index"), view_of(q2k_count, fn, "q2k_count"),
         view_of(k2q_offsets, fn, "k2q_offsets"), view_of(k2q_index, fn, "k2q_index"),
-        view_of(dq, fn, "dq"), view_of(dk, fn, "dk"), view_of(dv, fn, "dv"), options_of(a, fn));
+        view_of(dq, fn, "dq"), view_of(dk, fn, "dk"), view_of(dv, fn, "dv"), options_of(a, fn, q));
     return std::make_tuple(dq, dk, dv);
   });
 }
@@ -543,6 +557,16 @@ TORCH_LIBRARY_IMPL(vidattn, Meta, m) {
   m.impl("block_sparse_transpose_index", &transpose_index_meta);
   m.impl("block_sparse_attention_backward", &block_sparse_backward_meta);
 }
+
+#ifdef VIDATTN_TORCH_CUDA
+// The same kernels: the core dispatches on the tensors' device, on PyTorch's current stream
+// (the device guard of each kernel makes the inputs' GPU current).
+TORCH_LIBRARY_IMPL(vidattn, CUDA, m) {
+  m.impl("block_sparse_attention", &block_sparse_attention_kernel);
+  m.impl("block_sparse_transpose_index", &transpose_index_kernel);
+  m.impl("block_sparse_attention_backward", &block_sparse_backward_kernel);
+}
+#endif
 
 TORCH_LIBRARY_IMPL(vidattn, Autograd, m) {
   m.impl("gather_tokens", &gather_tokens_autograd);
