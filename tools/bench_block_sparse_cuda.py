@@ -50,10 +50,16 @@ def main() -> None:
     with torch.cuda.graph(graph):
         ops.block_sparse_attention(q, k, v, idx, cnt, tile_volume=V)
     res["sparse_fwd_graph_ms"] = triton.testing.do_bench(graph.replay, return_mode="median")
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    dense_out = vidattn.attention(qg, kg, vg)
+    res["dense_bwd_ms"] = triton.testing.do_bench(
+        lambda: torch.autograd.grad(dense_out, (qg, kg, vg), dout, retain_graph=True),
+        return_mode="median")
     res["sparse_fwd_tflops"] = fwd_flops / res["sparse_fwd_ms"] * 1e-9
     res["sparse_fwd_graph_tflops"] = fwd_flops / res["sparse_fwd_graph_ms"] * 1e-9
     res["sparse_bwd_tflops"] = 2.5 * fwd_flops / res["sparse_bwd_ms"] * 1e-9
     res["dense_fwd_tflops"] = 4.0 * B * H * S * S * D / res["dense_fwd_ms"] * 1e-9
+    res["dense_bwd_tflops"] = 2.5 * 4.0 * B * H * S * S * D / res["dense_bwd_ms"] * 1e-9
     res["sparse_fwd_speedup_vs_dense"] = res["dense_fwd_ms"] / res["sparse_fwd_ms"]
     print(json.dumps(res, indent=1))
     if len(sys.argv) > 1:
