@@ -1,5 +1,7 @@
-"""One small CUDA forward + backward per feature (masks, causal, GQA, varlen, strides), for
-compute-sanitizer runs: exits non-zero on any non-finite output."""
+"""One small CUDA forward + backward per feature (masks, causal, GQA, varlen, strides, and
+block-sparse attention with partial tiles for each tile volume), for compute-sanitizer runs
+(its kernel filter `kns=attention` matches every kernel here): exits non-zero on any
+non-finite output."""
 import torch
 
 import vidattn
@@ -25,6 +27,17 @@ def main() -> None:
             qv, kv, vv = rnd(75, 4, D, dtype=dtype), rnd(100, 2, D, dtype=dtype), rnd(100, 2, D, dtype=dtype)
             out = vidattn.attention_varlen(qv, kv, vv, cu_q, cu_k, 65, 63, causal=True)
             results += [out] + list(torch.autograd.grad(out, (qv, kv, vv), torch.ones_like(out)))
+            for V in (64, 128, 256):  # block-sparse: GQA, partial and empty tiles, a count-0 row
+                Qt, Kt = 3, 4
+                qs, ks, vs = rnd(2, Qt * V, 4, D, dtype=dtype), rnd(2, Kt * V, 2, D, dtype=dtype), rnd(2, Kt * V, 2, D, dtype=dtype)
+                idx = torch.tensor([[0, 2, 3], [1, 3, -1], [-1, -1, -1]], dtype=torch.int32, device="cuda")
+                idx = idx.expand(2, 4, Qt, 3).contiguous()
+                cnt = torch.tensor([3, 2, 0], dtype=torch.int32, device="cuda").expand(2, 4, Qt).contiguous()
+                q_sizes = torch.tensor([V, V // 2 + 3, 1], dtype=torch.int32, device="cuda")
+                kv_sizes = torch.tensor([V - 5, 0, V, 7], dtype=torch.int32, device="cuda")
+                out = vidattn.block_sparse_attention(qs, ks, vs, idx, cnt, tile_volume=V,
+                                                     q_block_sizes=q_sizes, kv_block_sizes=kv_sizes)
+                results += [out] + list(torch.autograd.grad(out, (qs, ks, vs), torch.ones_like(out)))
     # VSA coarse stage: tile / untile, pooling (+ backward), top-k selection (plain, packed
     # with sparsity, GQA) and the selection from given scores.
     t = vidattn.VideoTiling(grids=[(5, 7, 9), (3, 9, 10)], tile=(4, 4, 4), device="cuda")
@@ -39,6 +52,13 @@ def main() -> None:
                                                cu_tiles_q=t.cu_tiles, cu_tiles_k=t.cu_tiles)
         sidx, scnt = vidattn.topk_tiles_from_scores(torch.randn(1, 2, 9, 300, generator=g, device="cuda"), 17)
         results += [t.untile(xt), pooled, gx] + [i.float() for i in (idx, cnt, pidx, pcnt, sidx, scnt)]
+    # The whole VSA op with a gate (pool, coarse attention, selection, block-sparse, fused
+    # combine) forward and backward.
+    t = vidattn.VideoTiling((5, 7, 9), (4, 4, 4), device="cuda")
+    q, k, v, gate = (t.tile(rnd(1, t.num_tokens, 2, 64)) for _ in range(4))
+    xs = [x.detach().requires_grad_() for x in (q, k, v, gate)]
+    out = vidattn.video_sparse_attention(*xs[:3], tiling=t, sparsity=0.75, gate=xs[3])
+    results += [out] + list(torch.autograd.grad(out, xs, torch.ones_like(out)))
     torch.cuda.synchronize()
     bad = [i for i, t in enumerate(results) if not torch.isfinite(t).all()]
     print("cuda_smoke: tensors", len(results), "non-finite", bad)

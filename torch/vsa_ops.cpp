@@ -27,8 +27,8 @@ using torch::autograd::variable_list;
 
 int threads() { return at::get_num_threads(); }
 
-// The stream the coarse-stage CUDA kernels run on: PyTorch's current stream of t's device.
-void* coarse_stream(const Tensor& t) {
+// The stream the CUDA kernels run on: PyTorch's current stream of t's device (null for CPU).
+void* stream_of(const Tensor& t) {
 #ifdef VIDATTN_TORCH_CUDA
   if (t.is_cuda()) return at::cuda::getCurrentCUDAStream(t.get_device()).stream();
 #endif
@@ -113,7 +113,7 @@ Tensor gather_tokens_kernel(const Tensor& x, const Tensor& index, const Tensor& 
                       "; the tiling does not match the tensor's length");
     Tensor out = at::empty({x.size(0), index.size(0), x.size(2), x.size(3)}, x.options());
     gather_tokens(xv, view_of(index, fn, "index"), view_of(out, fn, "out"), threads(),
-                  coarse_stream(x));
+                  stream_of(x));
     return out;
   });
 }
@@ -165,7 +165,7 @@ Tensor tile_mean_pool_kernel(const Tensor& x, const Tensor& block_sizes, int64_t
                       ": tile volume must be 64, 128 or 256, got ", tile_volume);
     Tensor out = at::empty({x.size(0), x.size(1) / tile_volume, x.size(2), x.size(3)}, x.options());
     tile_mean_pool(xv, view_of(block_sizes, fn, "block_sizes"), tile_volume,
-                   view_of(out, fn, "out"), threads(), coarse_stream(x));
+                   view_of(out, fn, "out"), threads(), stream_of(x));
     return out;
   });
 }
@@ -192,7 +192,7 @@ Tensor tile_mean_pool_backward_kernel(const Tensor& grad_out, const Tensor& bloc
                            grad_out.size(3)},
                           grad_out.options());
     tile_mean_pool_backward(gv, view_of(block_sizes, fn, "block_sizes"), tile_volume,
-                            view_of(gx, fn, "grad_x"), threads(), coarse_stream(grad_out));
+                            view_of(gx, fn, "grad_x"), threads(), stream_of(grad_out));
     return gx;
   });
 }
@@ -249,7 +249,7 @@ std::tuple<Tensor, Tensor> topk_tiles_kernel(const Tensor& q_pooled, const Tenso
     o.cu_tiles_q = view_of(cu_tiles_q, fn, "cu_tiles_q");
     o.cu_tiles_k = view_of(cu_tiles_k, fn, "cu_tiles_k");
     o.num_threads = threads();
-    o.stream = coarse_stream(q_pooled);
+    o.stream = stream_of(q_pooled);
     const int64_t B = q_pooled.size(0), Qt = q_pooled.size(1), H = q_pooled.size(2);
     Tensor index = at::empty({B, H, Qt, topk_max_k(topk, k_pooled.size(1))},
                              q_pooled.options().dtype(at::kInt));
@@ -286,7 +286,7 @@ std::tuple<Tensor, Tensor> topk_tiles_from_scores_kernel(const Tensor& scores, i
                              scores.options().dtype(at::kInt));
     Tensor count = at::empty({s[0], s[1], s[2]}, scores.options().dtype(at::kInt));
     topk_tiles_from_scores(view_of(scores, fn, "scores"), topk, view_of(index, fn, "q2k_index"),
-                           view_of(count, fn, "q2k_count"), threads(), coarse_stream(scores));
+                           view_of(count, fn, "q2k_count"), threads(), stream_of(scores));
     return std::make_tuple(index, count);
   });
 }
@@ -310,8 +310,9 @@ struct SparseArgs {
   bool deterministic = true;
 };
 
-BlockSparseOptions options_of(const SparseArgs& a, const char* fn) {
+BlockSparseOptions options_of(const SparseArgs& a, const char* fn, const Tensor& q) {
   BlockSparseOptions o;
+  o.stream = stream_of(q);
   o.tile_volume = a.tile_volume;
   o.q_block_sizes = view_of(a.q_block_sizes, fn, "q_block_sizes");
   o.kv_block_sizes = view_of(a.kv_block_sizes, fn, "kv_block_sizes");
@@ -335,7 +336,7 @@ std::tuple<Tensor, Tensor> block_sparse_attention_kernel(
     const SparseArgs a{tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic};
     const TensorView qv = view_of(q, fn, "q"), kv = view_of(k, fn, "k"), vv = view_of(v, fn, "v");
     const TensorView iv = view_of(q2k_index, fn, "q2k_index"), cv = view_of(q2k_count, fn, "q2k_count");
-    const BlockSparseOptions o = options_of(a, fn);
+    const BlockSparseOptions o = options_of(a, fn, q);
     const BlockSparseProblem p = describe_block_sparse_attention(qv, kv, vv, iv, cv, o);
     Tensor out = at::empty({p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, q.options());
     Tensor lse = at::empty({p.batch, p.heads_q, p.seqlen_q}, q.options().dtype(lse_scalar_type(q)));
@@ -363,7 +364,7 @@ std::tuple<Tensor, Tensor> block_sparse_attention_meta(
       const SparseArgs a{tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic};
       describe_block_sparse_attention(view_of(q, fn, "q"), view_of(k, fn, "k"), view_of(v, fn, "v"),
                                       view_of(q2k_index, fn, "q2k_index"),
-                                      view_of(q2k_count, fn, "q2k_count"), options_of(a, fn));
+                                      view_of(q2k_count, fn, "q2k_count"), options_of(a, fn, q));
     });
   // The output's head dim is v's.
   return std::make_tuple(
@@ -387,7 +388,7 @@ std::tuple<Tensor, Tensor> transpose_index_kernel(const Tensor& q2k_index, const
     block_sparse_transpose_index(view_of(q2k_index, fn, "q2k_index"),
                                  view_of(q2k_count, fn, "q2k_count"), num_kv_tiles,
                                  view_of(offsets, fn, "k2q_offsets"), view_of(index, fn, "k2q_index"),
-                                 threads());
+                                 threads(), stream_of(q2k_index));
     return std::make_tuple(offsets, index);
   });
 }
@@ -426,7 +427,7 @@ std::tuple<Tensor, Tensor, Tensor> block_sparse_backward_kernel(
         view_of(lse, fn, "lse"), view_of(grad_out, fn, "grad_out"),
         view_of(q2k_index, fn, "q2k_index"), view_of(q2k_count, fn, "q2k_count"),
         view_of(k2q_offsets, fn, "k2q_offsets"), view_of(k2q_index, fn, "k2q_index"),
-        view_of(dq, fn, "dq"), view_of(dk, fn, "dk"), view_of(dv, fn, "dv"), options_of(a, fn));
+        view_of(dq, fn, "dq"), view_of(dk, fn, "dk"), view_of(dv, fn, "dv"), options_of(a, fn, q));
     return std::make_tuple(dq, dk, dv);
   });
 }
@@ -556,6 +557,9 @@ TORCH_LIBRARY_IMPL(vidattn, CUDA, m) {
   m.impl("tile_mean_pool_backward", &tile_mean_pool_backward_kernel);
   m.impl("topk_tiles", &topk_tiles_kernel);
   m.impl("topk_tiles_from_scores", &topk_tiles_from_scores_kernel);
+  m.impl("block_sparse_attention", &block_sparse_attention_kernel);
+  m.impl("block_sparse_transpose_index", &transpose_index_kernel);
+  m.impl("block_sparse_attention_backward", &block_sparse_backward_kernel);
 }
 #endif
 

@@ -30,7 +30,19 @@
 //   are never read by the attention, so their content does not matter (NaN included).
 // - Zero-size key tiles in the index are skipped (no exp(-inf - -inf)).
 // - A key tile no query selected gets exactly zero dK, dV.
-// - The CPU backward is always deterministic; `deterministic` exists for the CUDA backend.
+// - The CPU backward is always deterministic; `deterministic` exists for the CUDA backend,
+//   whose backward is deterministic too (no atomics on dQ, dK, dV; k2q built in a fixed order).
+//
+// CUDA backend (bfloat16 / float16, D = Dv in {64, 128}, tile volumes 64 / 128 / 256, GQA):
+// - Index validation. The CPU checks the index on the host. On CUDA, the forward and the
+//   transpose run a small device kernel over the index (counts in [0, MaxK], ids in range and
+//   strictly ascending, block sizes in [0, V]) and copy its 8-byte verdict to the host, which
+//   waits for the stream, then throw the same ValueError as the CPU. While the stream is being
+//   captured into a CUDA graph the check is skipped (no host synchronisation there), and the
+//   backward never checks (its index comes from a checked forward and transpose). Unchecked,
+//   the kernels still never read outside the tensors: ids outside [0, KVtiles) are skipped,
+//   counts and k2q offsets are clamped; a non-ascending row then only gives wrong numbers.
+// - Nothing else synchronises with the host: the forward + backward is capturable.
 #pragma once
 
 #include <cstdint>
@@ -149,7 +161,7 @@ struct BlockSparseOptions {
   std::optional<double> scale;               // default 1 / sqrt(D)
   bool deterministic = true;                 // the CPU is always deterministic
   int num_threads = 0;
-  void* stream = nullptr;
+  void* stream = nullptr;  // cudaStream_t for CUDA tensors (null: the legacy default stream)
 };
 
 struct BlockSparseProblem {
@@ -178,10 +190,12 @@ void block_sparse_attention_forward(const TensorView& q, const TensorView& k, co
                                     const TensorView& out, const TensorView& lse,
                                     const BlockSparseOptions& options);
 
-// Builds the k2q transpose (format above) of a valid q2k index.
+// Builds the k2q transpose (format above) of a valid q2k index. `stream` (a cudaStream_t) is
+// used for CUDA tensors.
 void block_sparse_transpose_index(const TensorView& q2k_index, const TensorView& q2k_count,
                                   std::int64_t num_kv_tiles, const TensorView& k2q_offsets,
-                                  const TensorView& k2q_index, int num_threads = 0);
+                                  const TensorView& k2q_index, int num_threads = 0,
+                                  void* stream = nullptr);
 
 // dq, dk, dv shaped like q, k, v, written in full; k2q from block_sparse_transpose_index.
 void block_sparse_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,

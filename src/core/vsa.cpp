@@ -493,13 +493,19 @@ void block_sparse_attention_forward(const TensorView& q, const TensorView& k, co
   const BlockSparseProblem p = describe_sparse(kFn, q, k, v, q2k_index, q2k_count, options);
   check_sparse_data(check, q, k, v, q2k_index, q2k_count, options);
   check_sparse_outputs(check, p, out, lse);
-  if (p.device.kind != DeviceKind::kCPU) no_cuda(kFn);
+  if (p.device.kind != DeviceKind::kCPU) {
+#ifdef VIDATTN_WITH_CUDA
+    return detail::cuda_block_sparse_forward(p, q, k, v, q2k_index, q2k_count, out, lse, options);
+#else
+    no_cuda(kFn);
+#endif
+  }
   detail::cpu_block_sparse_forward(p, q, k, v, q2k_index, q2k_count, out, lse, options);
 }
 
 void block_sparse_transpose_index(const TensorView& q2k_index, const TensorView& q2k_count,
                                   std::int64_t num_kv_tiles, const TensorView& k2q_offsets,
-                                  const TensorView& k2q_index, int num_threads) {
+                                  const TensorView& k2q_index, int num_threads, void* stream) {
   const ArgChecker check("vidattn::block_sparse_transpose_index");
   check.ndim(q2k_index, "q2k_index", 4, "[B, Hq, Qtiles, MaxK]");
   check.dtype(q2k_index, "q2k_index", DType::kInt32);
@@ -514,7 +520,15 @@ void block_sparse_transpose_index(const TensorView& q2k_index, const TensorView&
   if (num_kv_tiles < 0) check.fail("num_kv_tiles must be >= 0, got ", num_kv_tiles);
   check_like(check, k2q_offsets, "k2q_offsets", {B, H, num_kv_tiles + 1}, DType::kInt32, device);
   check_like(check, k2q_index, "k2q_index", {B, H, Qt * K}, DType::kInt32, device);
-  if (device.kind != DeviceKind::kCPU) no_cuda(check.function());
+  if (device.kind != DeviceKind::kCPU) {
+#ifdef VIDATTN_WITH_CUDA
+    return detail::cuda_block_sparse_transpose_index(q2k_index, q2k_count, num_kv_tiles,
+                                                     k2q_offsets, k2q_index, stream);
+#else
+    (void)stream;
+    no_cuda(check.function());
+#endif
+  }
   detail::cpu_block_sparse_transpose_index(q2k_index, q2k_count, num_kv_tiles, k2q_offsets,
                                            k2q_index, num_threads);
 }
@@ -540,7 +554,15 @@ void block_sparse_attention_backward(const TensorView& q, const TensorView& k, c
   check_like(check, dq, "dq", {q.shape[0], q.shape[1], q.shape[2], q.shape[3]}, p.dtype, p.device);
   check_like(check, dk, "dk", {k.shape[0], k.shape[1], k.shape[2], k.shape[3]}, p.dtype, p.device);
   check_like(check, dv, "dv", {v.shape[0], v.shape[1], v.shape[2], v.shape[3]}, p.dtype, p.device);
-  if (p.device.kind != DeviceKind::kCPU) no_cuda(kFn);
+  if (p.device.kind != DeviceKind::kCPU) {
+#ifdef VIDATTN_WITH_CUDA
+    return detail::cuda_block_sparse_backward(p, q, k, v, out, lse, grad_out, q2k_index,
+                                              q2k_count, k2q_offsets, k2q_index, dq, dk, dv,
+                                              options);
+#else
+    no_cuda(kFn);
+#endif
+  }
   detail::cpu_block_sparse_backward(p, q, k, v, out, lse, grad_out, q2k_index, q2k_count,
                                     k2q_offsets, k2q_index, dq, dk, dv, options);
 }

@@ -8,9 +8,11 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "../../core/backends.h"
 #include "../../core/check.h"
+#include "host_common.h"
 #include "launch.h"
 #include "params.h"
 
@@ -30,24 +32,10 @@ namespace {
 using cuda_sm80::AttentionParams;
 using cuda_sm80::RowStrides;
 using cuda_sm80::check_cuda;
-
-// Makes q's device current for the calls in scope, and restores the caller's.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-    else previous_ = -1;
-  }
-  ~DeviceScope() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = -1;
-};
+using cuda_sm80::DeviceScope;
+using cuda_sm80::lse_strides;
+using cuda_sm80::rows_aligned;
+using cuda_sm80::token_strides;
 
 void check_supported(const char* fn, const AttentionProblem& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16)
@@ -61,26 +49,6 @@ void check_supported(const char* fn, const AttentionProblem& p) {
   if (p.heads_q > 65535 || p.heads_kv > 65535 || p.batch > 65535)
     throw NotImplementedError(concat(fn, ": the CUDA backend supports at most 65535 heads and ",
                                      "65535 sequences, got Hq = ", p.heads_q, ", B = ", p.batch));
-}
-
-RowStrides token_strides(const TensorView& t, bool varlen) {
-  if (varlen) return {0, t.stride[0], t.stride[1]};
-  return {t.stride[0], t.stride[1], t.stride[2]};
-}
-
-RowStrides lse_strides(const TensorView& t, bool varlen) {
-  if (varlen) return {0, t.stride[1], t.stride[0]};  // [H, T]
-  return {t.stride[0], t.stride[2], t.stride[1]};    // [B, H, S]
-}
-
-// Every row start of t is a multiple of `bytes` (pointer and the strides of every dimension
-// that has more than one entry).
-bool rows_aligned(const TensorView& t, std::size_t bytes) {
-  if (reinterpret_cast<std::uintptr_t>(t.data) % bytes != 0) return false;
-  const std::int64_t elems = static_cast<std::int64_t>(bytes / dtype_size(t.dtype));
-  for (int d = 0; d + 1 < t.ndim; ++d)
-    if (t.shape[d] > 1 && t.stride[d] % elems != 0) return false;
-  return true;
 }
 
 AttentionParams base_params(const AttentionProblem& p, const TensorView& q, const TensorView& k,
@@ -128,14 +96,8 @@ AttentionParams base_params(const AttentionProblem& p, const TensorView& q, cons
 
 template <class Launch>
 void dispatch(const AttentionProblem& p, Launch&& launch) {
-  const bool bf16 = p.dtype == DType::kBFloat16;
-  if (p.head_dim == 64) {
-    if (bf16) launch(__nv_bfloat16{}, std::integral_constant<int, 64>{});
-    else launch(__half{}, std::integral_constant<int, 64>{});
-  } else {
-    if (bf16) launch(__nv_bfloat16{}, std::integral_constant<int, 128>{});
-    else launch(__half{}, std::integral_constant<int, 128>{});
-  }
+  cuda_sm80::dispatch_dtype_head_dim(p.dtype == DType::kBFloat16, p.head_dim,
+                                     std::forward<Launch>(launch));
 }
 
 }  // namespace

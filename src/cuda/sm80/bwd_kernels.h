@@ -1,14 +1,17 @@
-// Dense attention backward, deterministic (no atomics, every output element has one owner):
+// Attention backward, deterministic (no atomics, every output element has one owner):
 //   1. delta = rowsum(dO * O), one warp per (row, head), into a [Hq][rows_q] workspace;
 //   2. dK, dV: one CTA per (key block, kv head, batch), looping over the query blocks of
 //      every q head of its group, accumulating in registers;
 //   3. dQ: one CTA per (query block, head, batch), looping over key blocks.
 // Both 2 and 3 recompute P = exp(S - LSE) from the same logits the forward computed
-// (softmax_mask.h says why they are bit-identical).
+// (softmax_mask.h says why they are bit-identical). kSparse = false: dense (the blocks of a
+// range); kSparse = true: block-sparse, dK/dV over the key tile's k2q list and dQ over the
+// query tile's q2k list, in list order (block_walk.h), so reruns are bit-identical.
 #pragma once
 
 #include <cstdint>
 
+#include "block_walk.h"
 #include "mma_utils.h"
 #include "params.h"
 #include "softmax_mask.h"
@@ -62,9 +65,9 @@ struct RowStats {
 };
 
 __device__ __forceinline__ RowStats row_stats(const AttentionParams& p, const Sequence& seq,
-                                              std::int64_t i, int h) {
+                                              std::int64_t i, int h, bool live = true) {
   RowStats r;
-  if (i >= seq.len_q) return r;
+  if (!live || i >= seq.len_q) return r;
   if (p.query_mask && !p.query_mask[seq.batch * p.query_mask_batch + i * p.query_mask_row])
     return r;
   const float lse = p.lse[q_side_offset(p, p.lse_strides, seq, i, h)];
@@ -90,7 +93,7 @@ __device__ __forceinline__ void probs_and_dscores(float (&s)[KEYS / 8][4], float
     }
 }
 
-template <class T, int D>
+template <class T, int D, bool kSparse>
 __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
     attention_bwd_dkdv_kernel(const AttentionParams p) {
   using C = BwdConfig<D>;
@@ -111,12 +114,20 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
   const Sequence seq = sequence_of(p, b);
   const std::int64_t k0 = static_cast<std::int64_t>(blockIdx.x) * BK;
   if (k0 >= seq.len_k) return;
-  const MaskInfo mask = mask_info(p, seq);
+  // Sparse: the key tile of this block and its valid keys (a prefix; 0 skips every query).
+  const std::int64_t key_tile = k0 / p.tile_volume;
+  std::int64_t k_valid = seq.len_k - k0;
+  if constexpr (kSparse) {
+    k_valid = tile_size(p.kv_block_sizes, p.kv_block_sizes_stride, key_tile, p.tile_volume) -
+              (k0 - key_tile * p.tile_volume);
+    k_valid = clamp64(k_valid, 0, BK);
+  }
+  const MaskInfo mask = kSparse ? key_limit_mask(seq.len_q, k0 + k_valid) : mask_info(p, seq);
 
   const auto* k = static_cast<const std::uint16_t*>(p.k) + k_side_offset(p, p.k_strides, seq, k0, hk);
   const auto* v = static_cast<const std::uint16_t*>(p.v) + k_side_offset(p, p.v_strides, seq, k0, hk);
-  load_tile<BK, D, C::kDkdvThreads>(k_tile, k, p.k_strides.row, seq.len_k - k0, p.aligned16);
-  load_tile<BK, D, C::kDkdvThreads>(v_tile, v, p.v_strides.row, seq.len_k - k0, p.aligned16);
+  load_tile<BK, D, C::kDkdvThreads>(k_tile, k, p.k_strides.row, k_valid, p.aligned16);
+  load_tile<BK, D, C::kDkdvThreads>(v_tile, v, p.v_strides.row, k_valid, p.aligned16);
   cp_async_commit();
 
   float dk[DW / 8][4], dv[DW / 8][4];
@@ -125,27 +136,42 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.f;
 
-  const std::int64_t q_begin = query_begin(mask, k0);
+  const std::int64_t q_begin = kSparse ? 0 : query_begin(mask, k0);
   for (int g = 0; g < p.group; ++g) {
     const int h = hk * p.group + g;
     const auto* q = static_cast<const std::uint16_t*>(p.q) + q_side_offset(p, p.q_strides, seq, 0, h);
     const auto* go = static_cast<const std::uint16_t*>(p.grad_out) +
                      q_side_offset(p, p.grad_out_strides, seq, 0, h);
-    for (std::int64_t q0 = q_begin; q0 < seq.len_q; q0 += BQ) {
+    const auto walk = [&] {
+      if constexpr (kSparse) {
+        SparseWalk w = sparse_query_walk(p, b, h, key_tile);
+        if (k_valid <= 0) w.n_steps = 0;
+        return w;
+      } else {
+        return DenseWalk<BQ>{q_begin, seq.len_q, seq.len_q};
+      }
+    }();
+    const int steps = walk.steps();
+    for (int step = walk.next(0); step < steps; step = walk.next(step + 1)) {
+      const RowBlock qb = walk.block(step);
+      const std::int64_t q0 = qb.start;
       __syncthreads();  // the previous block's tiles are no longer read
       load_tile<BQ, D, C::kDkdvThreads>(q_tile, q + q0 * p.q_strides.row, p.q_strides.row,
-                                        seq.len_q - q0, p.aligned16);
+                                        qb.valid, p.aligned16);
       load_tile<BQ, D, C::kDkdvThreads>(do_tile, go + q0 * p.grad_out_strides.row,
-                                        p.grad_out_strides.row, seq.len_q - q0, p.aligned16);
+                                        p.grad_out_strides.row, qb.valid, p.aligned16);
       cp_async_commit();
       const std::int64_t q_row = q0 + wq * 16 + (lane >> 2);
-      const RowStats rs[2] = {row_stats(p, seq, q_row, h), row_stats(p, seq, q_row + 8, h)};
+      // Sparse: padded query slots (past the valid prefix) are dead rows.
+      const RowStats rs[2] = {row_stats(p, seq, q_row, h, !kSparse || q_row - q0 < qb.valid),
+                              row_stats(p, seq, q_row + 8, h, !kSparse || q_row + 8 - q0 < qb.valid)};
       cp_async_wait_all();
       __syncthreads();
 
       float s[KW / 8][4], dp[KW / 8][4];
       qk_logits<T, D, KW>(s, q_tile, wq * 16, k_tile, wk * KW);
-      scale_and_mask<KW>(s, p.scale, mask, mask.block_needs_mask(q0, k0, BK), q_row, k0 + wk * KW);
+      const bool needs_mask = kSparse ? k_valid < BK : mask.block_needs_mask(q0, k0, BK);
+      scale_and_mask<KW>(s, p.scale, mask, needs_mask, q_row, k0 + wk * KW);
       qk_logits<T, D, KW>(dp, do_tile, wq * 16, v_tile, wk * KW);
       probs_and_dscores<KW>(s, dp, rs);
 #pragma unroll
@@ -200,7 +226,7 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
   }
 }
 
-template <class T, int D>
+template <class T, int D, bool kSparse>
 __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
     attention_bwd_dq_kernel(const AttentionParams p) {
   using C = BwdConfig<D>;
@@ -218,9 +244,19 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
   const Sequence seq = sequence_of(p, b);
   const std::int64_t q0 = static_cast<std::int64_t>(qblock) * BQ;
   if (q0 >= seq.len_q) return;
-  const std::int64_t rows = seq.len_q - q0 < BQ ? seq.len_q - q0 : BQ;
   const MaskInfo mask = mask_info(p, seq);
-  const std::int64_t k_end = key_end(mask, q0, rows);
+  std::int64_t rows;  // valid query rows (sparse: padded slots are zero-filled, dead rows)
+  const auto walk = [&] {
+    if constexpr (kSparse) {
+      rows = sparse_query_rows(p, q0, BQ);
+      return sparse_key_walk(p, b, h, q0, rows);
+    } else {
+      rows = seq.len_q - q0 < BQ ? seq.len_q - q0 : BQ;
+      return DenseWalk<BK>{0, key_end(mask, q0, rows), seq.len_k};
+    }
+  }();
+  const int steps = walk.steps();
+  int step = walk.next(0);
 
   const auto* q = static_cast<const std::uint16_t*>(p.q) + q_side_offset(p, p.q_strides, seq, q0, h);
   const auto* go = static_cast<const std::uint16_t*>(p.grad_out) +
@@ -229,13 +265,17 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
   const auto* v = static_cast<const std::uint16_t*>(p.v) + k_side_offset(p, p.v_strides, seq, 0, hk);
   load_tile<BQ, D, C::kDqThreads>(q_tile, q, p.q_strides.row, rows, p.aligned16);
   load_tile<BQ, D, C::kDqThreads>(do_tile, go, p.grad_out_strides.row, rows, p.aligned16);
-  if (k_end > 0) {
-    load_tile<BK, D, C::kDqThreads>(k_tile, k, p.k_strides.row, seq.len_k, p.aligned16);
-    load_tile<BK, D, C::kDqThreads>(v_tile, v, p.v_strides.row, seq.len_k, p.aligned16);
+  if (step < steps) {
+    const RowBlock kb = walk.block(step);
+    load_tile<BK, D, C::kDqThreads>(k_tile, k + kb.start * p.k_strides.row, p.k_strides.row,
+                                    kb.valid, p.aligned16);
+    load_tile<BK, D, C::kDqThreads>(v_tile, v + kb.start * p.v_strides.row, p.v_strides.row,
+                                    kb.valid, p.aligned16);
   }
   cp_async_commit();
   const std::int64_t q_row = q0 + warp * 16 + (lane >> 2);
-  const RowStats rs[2] = {row_stats(p, seq, q_row, h), row_stats(p, seq, q_row + 8, h)};
+  const RowStats rs[2] = {row_stats(p, seq, q_row, h, !kSparse || q_row - q0 < rows),
+                          row_stats(p, seq, q_row + 8, h, !kSparse || q_row + 8 - q0 < rows)};
   cp_async_wait_all();
   __syncthreads();
 
@@ -243,10 +283,14 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
 
-  for (std::int64_t k0 = 0; k0 < k_end; k0 += BK) {
+  while (step < steps) {
+    const RowBlock kb = walk.block(step);
+    const std::int64_t k0 = kb.start;
     float s[BK / 8][4], dp[BK / 8][4];
     qk_logits<T, D, BK>(s, q_tile, warp * 16, k_tile, 0);
-    scale_and_mask<BK>(s, p.scale, mask, mask.block_needs_mask(q0, k0, BK), q_row, k0);
+    const MaskInfo block_mask = kSparse ? key_limit_mask(seq.len_q, k0 + kb.valid) : mask;
+    const bool needs_mask = kSparse ? kb.valid < BK : mask.block_needs_mask(q0, k0, BK);
+    scale_and_mask<BK>(s, p.scale, block_mask, needs_mask, q_row, k0);
     qk_logits<T, D, BK>(dp, do_tile, warp * 16, v_tile, 0);
     probs_and_dscores<BK>(s, dp, rs);
     // dQ += dS K (the scale is applied once at the end).
@@ -267,15 +311,18 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
       }
     }
     __syncthreads();  // every warp is done with K, V of this block
-    if (k0 + BK < k_end) {
-      load_tile<BK, D, C::kDqThreads>(k_tile, k + (k0 + BK) * p.k_strides.row, p.k_strides.row,
-                                      seq.len_k - k0 - BK, p.aligned16);
-      load_tile<BK, D, C::kDqThreads>(v_tile, v + (k0 + BK) * p.v_strides.row, p.v_strides.row,
-                                      seq.len_k - k0 - BK, p.aligned16);
+    const int next_step = walk.next(step + 1);
+    if (next_step < steps) {
+      const RowBlock nb = walk.block(next_step);
+      load_tile<BK, D, C::kDqThreads>(k_tile, k + nb.start * p.k_strides.row, p.k_strides.row,
+                                      nb.valid, p.aligned16);
+      load_tile<BK, D, C::kDqThreads>(v_tile, v + nb.start * p.v_strides.row, p.v_strides.row,
+                                      nb.valid, p.aligned16);
       cp_async_commit();
       cp_async_wait_all();
       __syncthreads();
     }
+    step = next_step;
   }
 
   auto* dq_out = static_cast<std::uint16_t*>(p.dq);

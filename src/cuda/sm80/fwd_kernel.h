@@ -1,10 +1,13 @@
-// Dense attention forward (FlashAttention-2 scheme): one CTA per (query block, head, batch);
-// each warp owns 32 query rows (two m16 tiles); key/value blocks stream through shared
-// memory with cp.async (the V load overlaps Q K^T, the next K load overlaps P V).
+// Attention forward (FlashAttention-2 scheme): one CTA per (query block, head, batch); each
+// warp owns 32 query rows (two m16 tiles); key/value blocks stream through shared memory with
+// cp.async (the V load overlaps Q K^T, the next K load overlaps P V). One mainloop for dense
+// attention (kSparse = false: the key blocks of a range) and block-sparse attention
+// (kSparse = true: the key tiles of the query tile's q2k list, block_walk.h).
 #pragma once
 
 #include <cstdint>
 
+#include "block_walk.h"
 #include "mma_utils.h"
 #include "params.h"
 #include "softmax_mask.h"
@@ -12,23 +15,27 @@
 
 namespace vidattn::cuda_sm80 {
 
-template <int D>
+template <int D, int BLOCK_Q = 128>
 struct FwdConfig {
-  // 4 warps of 2 m-tiles (32 query rows) each: every K / V fragment read from shared memory
-  // feeds two mma instead of one (16-row warps are bound by shared-memory bandwidth), and at
-  // <= 255 registers two CTAs share an SM.
-  static constexpr int kWarps = 4;
+  // Warps of 2 m-tiles (32 query rows) each: every K / V fragment read from shared memory
+  // feeds two mma instead of one (16-row warps are bound by shared-memory bandwidth). 128
+  // query rows (4 warps; at <= 255 registers two CTAs share an SM) by default; 64 (2 warps)
+  // for block-sparse tiles of 64 tokens, whose query block must not span two tiles (4 warps
+  // of one m-tile measured 18% slower there on an H200: 194 against 236 TFLOP/s).
+  static_assert(BLOCK_Q == 64 || BLOCK_Q == 128, "query block of 64 or 128 rows");
   static constexpr int kMTiles = 2;
+  static constexpr int kWarps = BLOCK_Q / (16 * kMTiles);
   static constexpr int kThreads = kWarps * 32;
+  static constexpr int kMinBlocks = 256 / kThreads;  // CTAs per SM the registers must allow
   static constexpr int kBlockQ = 16 * kMTiles * kWarps;
   static constexpr int kBlockK = 64;
   static constexpr int kSmemBytes = (kBlockQ + 2 * kBlockK) * D * 2;
 };
 
-template <class T, int D>
-__global__ void __launch_bounds__(FwdConfig<D>::kThreads, 2)
+template <class T, int D, int BLOCK_Q, bool kSparse>
+__global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, BLOCK_Q>::kMinBlocks)
     attention_fwd_kernel(const AttentionParams p) {
-  using C = FwdConfig<D>;
+  using C = FwdConfig<D, BLOCK_Q>;
   constexpr int BQ = C::kBlockQ, BK = C::kBlockK, MT = C::kMTiles;
   extern __shared__ __align__(128) std::uint16_t smem[];
   std::uint16_t* q_tile = smem;
@@ -43,16 +50,32 @@ __global__ void __launch_bounds__(FwdConfig<D>::kThreads, 2)
   const Sequence seq = sequence_of(p, b);
   const std::int64_t q0 = static_cast<std::int64_t>(qblock) * BQ;
   if (q0 >= seq.len_q) return;
-  const std::int64_t rows = seq.len_q - q0 < BQ ? seq.len_q - q0 : BQ;
   const MaskInfo mask = mask_info(p, seq);
-  const std::int64_t k_end = key_end(mask, q0, rows);
+  // Valid query rows of the block (the rest are zero-filled and written as empty rows) and
+  // the key blocks they visit.
+  std::int64_t rows;
+  const auto walk = [&] {
+    if constexpr (kSparse) {
+      rows = sparse_query_rows(p, q0, BQ);
+      return sparse_key_walk(p, b, h, q0, rows);
+    } else {
+      rows = seq.len_q - q0 < BQ ? seq.len_q - q0 : BQ;
+      return DenseWalk<BK>{0, key_end(mask, q0, rows), seq.len_k};
+    }
+  }();
+  const int steps = walk.steps();
+  int step = walk.next(0);
 
   const auto* q = static_cast<const std::uint16_t*>(p.q) + q_side_offset(p, p.q_strides, seq, q0, h);
   const auto* k = static_cast<const std::uint16_t*>(p.k) + k_side_offset(p, p.k_strides, seq, 0, hk);
   const auto* v = static_cast<const std::uint16_t*>(p.v) + k_side_offset(p, p.v_strides, seq, 0, hk);
 
   load_tile<BQ, D, C::kThreads>(q_tile, q, p.q_strides.row, rows, p.aligned16);
-  if (k_end > 0) load_tile<BK, D, C::kThreads>(k_tile, k, p.k_strides.row, seq.len_k, p.aligned16);
+  if (step < steps) {
+    const RowBlock kb = walk.block(step);
+    load_tile<BK, D, C::kThreads>(k_tile, k + kb.start * p.k_strides.row, p.k_strides.row,
+                                  kb.valid, p.aligned16);
+  }
   cp_async_commit();
   cp_async_wait_all();
   __syncthreads();
@@ -69,10 +92,12 @@ __global__ void __launch_bounds__(FwdConfig<D>::kThreads, 2)
   }
   const std::int64_t q_row = q0 + warp_row0 + (lane >> 2);  // + 16 * mt + 8 * half
 
-  for (std::int64_t k0 = 0; k0 < k_end; k0 += BK) {
+  while (step < steps) {
+    const RowBlock kb = walk.block(step);
+    const std::int64_t k0 = kb.start;
     // K(k0) is resident; fetch V(k0) behind the logits.
-    load_tile<BK, D, C::kThreads>(v_tile, v + k0 * p.v_strides.row, p.v_strides.row,
-                                  seq.len_k - k0, p.aligned16);
+    load_tile<BK, D, C::kThreads>(v_tile, v + k0 * p.v_strides.row, p.v_strides.row, kb.valid,
+                                  p.aligned16);
     cp_async_commit();
 
     // S = Q K^T, the same mma chain per element as qk_logits (k-order 0 .. D/16 - 1 from a
@@ -101,10 +126,12 @@ __global__ void __launch_bounds__(FwdConfig<D>::kThreads, 2)
         }
       }
     }
-    const bool needs_mask = mask.block_needs_mask(q0, k0, BK);
+    // Sparse: only a partial key block (slots past the tile's block size) needs a mask.
+    const MaskInfo block_mask = kSparse ? key_limit_mask(seq.len_q, k0 + kb.valid) : mask;
+    const bool needs_mask = kSparse ? kb.valid < BK : mask.block_needs_mask(q0, k0, BK);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      scale_and_mask<BK>(s[mt], p.scale, mask, needs_mask, q_row + 16 * mt, k0);
+      scale_and_mask<BK>(s[mt], p.scale, block_mask, needs_mask, q_row + 16 * mt, k0);
       // Online softmax; a row with nothing visible yet keeps max -inf and adds nothing.
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -130,9 +157,11 @@ __global__ void __launch_bounds__(FwdConfig<D>::kThreads, 2)
 
     cp_async_wait_all();
     __syncthreads();  // V(k0) resident; every warp is done reading K(k0)
-    if (k0 + BK < k_end) {
-      load_tile<BK, D, C::kThreads>(k_tile, k + (k0 + BK) * p.k_strides.row, p.k_strides.row,
-                                    seq.len_k - k0 - BK, p.aligned16);
+    const int next_step = walk.next(step + 1);
+    if (next_step < steps) {
+      const RowBlock nb = walk.block(next_step);
+      load_tile<BK, D, C::kThreads>(k_tile, k + nb.start * p.k_strides.row, p.k_strides.row,
+                                    nb.valid, p.aligned16);
       cp_async_commit();
     }
 
@@ -160,7 +189,8 @@ __global__ void __launch_bounds__(FwdConfig<D>::kThreads, 2)
       }
     }
     cp_async_wait_all();
-    __syncthreads();  // K(k0 + BK) resident; every warp is done reading V(k0)
+    __syncthreads();  // the next K resident; every warp is done reading V(k0)
+    step = next_step;
   }
 
   // Epilogue: normalise, zero the rows that saw nothing or are padded queries, write O, LSE.
@@ -176,6 +206,7 @@ __global__ void __launch_bounds__(FwdConfig<D>::kThreads, 2)
       bool empty = !(sum > 0.f);
       if (p.query_mask && !p.query_mask[seq.batch * p.query_mask_batch + i * p.query_mask_row])
         empty = true;
+      if (kSparse && i - q0 >= rows) empty = true;  // padded query slot
       const float inv = empty ? 0.f : 1.f / sum;
       std::uint16_t* dst = out + q_side_offset(p, p.out_strides, seq, i, h);
 #pragma unroll

@@ -1,5 +1,6 @@
-// Launchers of the sm_80 attention kernels, one explicit instantiation per (dtype, head dim)
-// in its own .cu file (fwd_*.cu, bwd_*.cu) so that the builds run in parallel.
+// Launchers of the sm_80 attention kernels, one explicit instantiation per (direction, dtype,
+// head dim, variant) in its own .cu file (fwd_*.cu, bwd_*.cu, sparse_*.cu; written by
+// tools/gen_sm80_instances.py) so that the builds run in parallel.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -16,6 +17,16 @@ void launch_forward(const AttentionParams& p, cudaStream_t stream);
 // Needs p.delta: a [heads_q][rows_q] float workspace.
 template <class T, int D>
 void launch_backward(const AttentionParams& p, cudaStream_t stream);
+
+// Block-sparse attention (p.q2k_index, p.q2k_count, tile sizes set): the same kernels
+// walking the q2k list per query block. BLOCK_Q (query rows per CTA) is 64 for 64-token tiles
+// and 128 for 128- and 256-token tiles, so that a CTA never spans two query tiles.
+template <class T, int D, int BLOCK_Q>
+void launch_block_sparse_forward(const AttentionParams& p, cudaStream_t stream);
+
+// Needs p.delta and the k2q CSR (p.k2q_offsets, p.k2q_index) besides the forward's fields.
+template <class T, int D>
+void launch_block_sparse_backward(const AttentionParams& p, cudaStream_t stream);
 
 // Throws std::runtime_error naming `what` when `status` is an error.
 void check_cuda(cudaError_t status, const char* what);

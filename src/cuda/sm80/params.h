@@ -58,6 +58,25 @@ struct AttentionParams {
   bool aligned16 = false;
   // Output row starts are 4-byte aligned (column pairs stored as one word).
   bool out_aligned4 = false;
+
+  // Block-sparse attention (VSA's fine branch; batched layout only). The dense kernels never
+  // read these; the sparse instantiations walk these lists instead of a range of blocks.
+  // Index entries are trusted to be in bounds only after a clamp: ids outside
+  // [0, q_tiles) / [0, kv_tiles) are skipped and counts / offsets are clamped.
+  const std::int32_t* q2k_index = nullptr;    // [B, Hq, Qtiles, MaxK]
+  const std::int32_t* q2k_count = nullptr;    // [B, Hq, Qtiles]
+  const std::int32_t* k2q_offsets = nullptr;  // [B, Hq, KVtiles + 1] (backward)
+  const std::int32_t* k2q_index = nullptr;    // [B, Hq, Qtiles * MaxK] (backward)
+  const std::int32_t* q_block_sizes = nullptr;   // [Qtiles], null: every tile full
+  const std::int32_t* kv_block_sizes = nullptr;  // [KVtiles], null: every tile full
+  std::int64_t q2k_index_strides[4] = {0, 0, 0, 0};
+  std::int64_t q2k_count_strides[3] = {0, 0, 0};
+  std::int64_t k2q_offsets_strides[3] = {0, 0, 0};
+  std::int64_t k2q_index_strides[3] = {0, 0, 0};
+  std::int64_t q_block_sizes_stride = 1, kv_block_sizes_stride = 1;
+  int tile_volume = 64;    // 64, 128 or 256: 1, 2 or 4 blocks of 64 keys / queries
+  int tile_shift = 0;      // log2(tile_volume / 64)
+  int q_tiles = 0, kv_tiles = 0, max_k = 0;
 };
 
 }  // namespace vidattn::cuda_sm80

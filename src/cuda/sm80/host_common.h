@@ -1,0 +1,67 @@
+// Host helpers shared by the sm_80 entry points (attention_sm80.cu, block_sparse_sm80.cu).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "vidattn/tensor_view.h"
+#include "launch.h"
+#include "params.h"
+
+namespace vidattn::cuda_sm80 {
+
+// Makes q's device current for the calls in scope, and restores the caller's.
+class DeviceScope {
+ public:
+  explicit DeviceScope(int device) {
+    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
+    else previous_ = -1;
+  }
+  ~DeviceScope() {
+    if (previous_ >= 0) cudaSetDevice(previous_);
+  }
+  DeviceScope(const DeviceScope&) = delete;
+  DeviceScope& operator=(const DeviceScope&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+inline RowStrides token_strides(const TensorView& t, bool varlen) {
+  if (varlen) return {0, t.stride[0], t.stride[1]};
+  return {t.stride[0], t.stride[1], t.stride[2]};
+}
+
+inline RowStrides lse_strides(const TensorView& t, bool varlen) {
+  if (varlen) return {0, t.stride[1], t.stride[0]};  // [H, T]
+  return {t.stride[0], t.stride[2], t.stride[1]};    // [B, H, S]
+}
+
+// Every row start of t is a multiple of `bytes` (pointer and the strides of every dimension
+// that has more than one entry).
+inline bool rows_aligned(const TensorView& t, std::size_t bytes) {
+  if (reinterpret_cast<std::uintptr_t>(t.data) % bytes != 0) return false;
+  const std::int64_t elems = static_cast<std::int64_t>(bytes / dtype_size(t.dtype));
+  for (int d = 0; d + 1 < t.ndim; ++d)
+    if (t.shape[d] > 1 && t.stride[d] % elems != 0) return false;
+  return true;
+}
+
+// Calls launch(T{}, integral_constant<D>) for the (dtype, head dim) pair; both checked before.
+template <class Launch>
+void dispatch_dtype_head_dim(bool bf16, std::int64_t head_dim, Launch&& launch) {
+  if (head_dim == 64) {
+    if (bf16) launch(__nv_bfloat16{}, std::integral_constant<int, 64>{});
+    else launch(__half{}, std::integral_constant<int, 64>{});
+  } else {
+    if (bf16) launch(__nv_bfloat16{}, std::integral_constant<int, 128>{});
+    else launch(__half{}, std::integral_constant<int, 128>{});
+  }
+}
+
+}  // namespace vidattn::cuda_sm80

@@ -1,0 +1,269 @@
+"""CUDA block-sparse attention (VSA's fine branch) against the float64 reference.
+
+Skipped without a GPU. The index, block sizes and inputs are drawn on the CPU with seeded
+generators; the reference is vsa_reference.block_sparse on the CPU, in float64 and in the
+kernel's dtype (PyTorch's own error), with the 2x rule of test_vsa.assert_2x (3x for dQ).
+"""
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import pytest
+import torch
+
+import vidattn
+import vsa_reference as ref
+from test_vsa import assert_2x, random_index
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+ops = torch.ops.vidattn
+DEV = "cuda"
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(shape, seed, dtype, scale=1.0):
+    return (torch.randn(shape, generator=gen(seed), dtype=torch.float64) * scale).to(dtype)
+
+
+def poison_allocator(nbytes: int) -> None:
+    """Fill freed blocks of the caching allocator with NaN, so that the outputs the op
+    allocates next start as NaN: an element a kernel forgets to write shows up."""
+    blocks = [torch.full((max(nbytes // 4, 1),), float("nan"), device=DEV) for _ in range(4)]
+    del blocks
+
+
+def reference_lse(q, k, idx, cnt, V, q_sizes, kv_sizes, scale):
+    """Natural-log LSE [B, Hq, Sq] of the block-sparse logits in q's dtype (accumulated in
+    float32 / float64 like the kernels); -inf where a row sees no key or is padding."""
+    B, Sq, Hq, D = q.shape
+    Hkv, Qt, Kt, K = k.shape[2], Sq // V, k.shape[1] // V, idx.shape[-1]
+    g = Hq // Hkv
+    qt = q.permute(0, 2, 1, 3).reshape(B, Hq, Qt, V, D)
+    kt = k.permute(0, 2, 1, 3).repeat_interleave(g, 1).reshape(B, Hq, Kt, V, D)
+    safe = idx.clamp(min=0).long()
+    ks = kt[torch.arange(B)[:, None, None, None], torch.arange(Hq)[None, :, None, None], safe]
+    ks = ks.reshape(B, Hq, Qt, K * V, D)
+    slot = torch.arange(V)
+    key_ok = ((torch.arange(K) < cnt[..., None].long())[..., None]
+              & (slot < kv_sizes.long()[safe][..., None])).reshape(B, Hq, Qt, 1, K * V)
+    q_ok = (slot[None, :] < q_sizes.long()[:, None])[None, None, :, :]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    s = ((qt @ ks.transpose(-1, -2)) * scale).to(acc).masked_fill(~key_ok, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    lse = lse.masked_fill(~q_ok | ~key_ok.any(-1), float("-inf"))
+    return lse.reshape(B, Hq, Sq)
+
+
+def make_case(dtype, V, B, Hq, Hkv, D, Qt, Kt, max_k, input_scale, seed):
+    q = randn((B, Qt * V, Hq, D), seed, dtype, input_scale)
+    k = randn((B, Kt * V, Hkv, D), seed + 1, dtype, input_scale)
+    v = randn((B, Kt * V, Hkv, D), seed + 2, dtype)
+    idx, cnt = random_index(B, Hq, Qt, Kt, max_k, seed)
+    g = gen(seed + 3)
+    q_sizes = torch.randint(0, V + 1, (Qt,), generator=g, dtype=torch.int32)
+    kv_sizes = torch.randint(0, V + 1, (Kt,), generator=g, dtype=torch.int32)
+    # A full and a 1-token query tile; a zero-size, a full and a (tile - 1)-token key tile.
+    q_sizes[0] = V
+    if Qt > 1:
+        q_sizes[1] = 1
+    kv_sizes[0] = 0
+    if Kt > 2:
+        kv_sizes[1], kv_sizes[2] = V, V - 1
+    cnt[0, 0, -1] = 0  # a query tile that selected nothing
+    idx[0, 0, -1] = -1
+    return q, k, v, idx, cnt, q_sizes, kv_sizes
+
+
+CASES = [  # dtype, V, B, Hq, Hkv, D, Qt, Kt, MaxK, input scale
+    (torch.bfloat16, 64, 2, 3, 1, 64, 5, 7, 3, 1.0),
+    (torch.float16, 64, 1, 4, 2, 128, 6, 5, 5, 16.0),
+    (torch.float16, 128, 2, 3, 3, 128, 4, 6, 3, 4.0),
+    (torch.bfloat16, 128, 2, 3, 3, 64, 3, 3, 3, 16.0),
+    (torch.bfloat16, 256, 1, 2, 1, 128, 3, 4, 2, 16.0),
+    (torch.float16, 256, 2, 3, 3, 64, 2, 3, 3, 1.0),
+    (torch.bfloat16, 64, 2, 3, 3, 128, 3, 4, 4, 4.0),
+    (torch.float16, 128, 1, 6, 2, 64, 2, 5, 5, 1.0),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "{}_V{}_B{}_H{}x{}_D{}_Qt{}_Kt{}_K{}_s{}".format(
+    str(c[0])[6:], *c[1:]))
+def test_block_sparse_cuda_matches_float64_reference(case):
+    dtype, V, B, Hq, Hkv, D, Qt, Kt, max_k, input_scale = case
+    seed = zlib.crc32(repr(case).encode()) % 100_000
+    q, k, v, idx, cnt, q_sizes, kv_sizes = make_case(dtype, V, B, Hq, Hkv, D, Qt, Kt, max_k,
+                                                    input_scale, seed)
+    scale = D ** -0.5
+    qc, kc, vc = (x.to(DEV).requires_grad_() for x in (q, k, v))
+    kw = dict(tile_volume=V, q_block_sizes=q_sizes.to(DEV), kv_block_sizes=kv_sizes.to(DEV))
+    poison_allocator(q.numel() * 8 + (1 << 20))
+    out, lse = vidattn.block_sparse_attention(qc, kc, vc, idx.to(DEV), cnt.to(DEV), return_lse=True,
+                                              **kw)
+    assert out.shape == (B, Qt * V, Hq, D) and out.dtype == dtype and lse.dtype == torch.float32
+    dout = randn(out.shape, seed + 4, dtype)
+    poison_allocator(q.numel() * 8 + (1 << 20))
+    grads = torch.autograd.grad(out, (qc, kc, vc), dout.to(DEV))
+
+    def run_ref(dt):
+        qq, kk, vv = (x.to(dt).requires_grad_() for x in (q, k, v))
+        o = ref.block_sparse(qq, kk, vv, idx, cnt, V, q_sizes, kv_sizes, scale)
+        return (o, *torch.autograd.grad(o, (qq, kk, vv), dout.to(dt)))
+
+    r64, rlp = run_ref(torch.float64), run_ref(dtype)
+    for name, got, a, b, f in zip(("out", "dq", "dk", "dv"), (out, *grads), r64, rlp, (2, 3, 2, 2)):
+        assert_2x(name, got.detach().cpu(), a.detach(), b.detach(), dtype, f)
+
+    # LSE: the same dead pattern (-inf) as the reference, the rule on the live rows.
+    l64 = reference_lse(q.double(), k.double(), idx, cnt, V, q_sizes, kv_sizes, scale)
+    llp = reference_lse(q, k, idx, cnt, V, q_sizes, kv_sizes, scale)
+    got = lse.cpu()
+    dead = torch.isneginf(l64)
+    assert torch.equal(torch.isneginf(got), dead), "LSE: -inf rows differ from the reference"
+    assert_2x("lse", got[~dead], l64[~dead], llp[~dead], dtype)
+    # Dead rows (padding, count 0, only empty key tiles): zero output and zero dQ.
+    dead_rows = dead.permute(0, 2, 1)  # [B, Sq, Hq]
+    assert (out.detach().cpu()[dead_rows] == 0).all()
+    assert (grads[0].cpu()[dead_rows] == 0).all()
+    # Key tiles nobody selected (or of size 0) and padded key slots: exactly zero dK, dV.
+    group = Hq // Hkv
+    slot_ok = (torch.arange(V)[None, :] < kv_sizes[:, None].long()).reshape(-1)
+    for x in grads[1:]:
+        assert (x.cpu()[:, ~slot_ok] == 0).all()
+    for b, hk, j in itertools.product(range(B), range(Hkv), range(Kt)):
+        heads = slice(hk * group, (hk + 1) * group)
+        used = ((idx[b, heads] == j) & (torch.arange(max_k) < cnt[b, heads, :, None])).any()
+        if not used:
+            assert (grads[1][b, j * V:(j + 1) * V, hk] == 0).all()
+            assert (grads[2][b, j * V:(j + 1) * V, hk] == 0).all()
+
+
+def test_padding_content_is_never_read():
+    V, Qt, Kt, H = 128, 3, 4, 2
+    q, k, v, idx, cnt, qs, ks = make_case(torch.bfloat16, V, 1, H, H, 64, Qt, Kt, 3, 1.0, 77)
+    kw = dict(tile_volume=V, q_block_sizes=qs.to(DEV), kv_block_sizes=ks.to(DEV))
+    args = [x.to(DEV).requires_grad_() for x in (q, k, v)]
+    clean = vidattn.block_sparse_attention(*args, idx.to(DEV), cnt.to(DEV), **kw)
+    dout = torch.randn(clean.shape, generator=gen(78)).to(clean.dtype).to(DEV)
+    gclean = torch.autograd.grad(clean, args, dout)
+    q_pad = (torch.arange(V)[None, :] >= qs[:, None].long()).reshape(-1)
+    k_pad = (torch.arange(V)[None, :] >= ks[:, None].long()).reshape(-1)
+    poisoned = [x.detach().clone() for x in args]
+    poisoned[0][:, q_pad.to(DEV)] = float("nan")
+    for x in poisoned[1:]:
+        x[:, k_pad.to(DEV)] = float("nan")
+    poisoned = [x.requires_grad_() for x in poisoned]
+    dirty = vidattn.block_sparse_attention(*poisoned, idx.to(DEV), cnt.to(DEV), **kw)
+    dout_dirty = dout.clone()
+    dout_dirty[:, q_pad.to(DEV)] = float("nan")  # gradients of padded outputs are never read
+    gdirty = torch.autograd.grad(dirty, poisoned, dout_dirty)
+    assert torch.equal(clean, dirty)
+    for a, b in zip(gclean, gdirty):
+        assert torch.equal(a, b)
+
+
+def test_backward_is_bit_identical_over_50_runs():
+    V, B, Hq, Hkv, D, Qt, Kt = 64, 1, 4, 2, 128, 8, 8
+    q, k, v, idx, cnt, qs, ks = make_case(torch.bfloat16, V, B, Hq, Hkv, D, Qt, Kt, 5, 4.0, 90)
+    args = [x.to(DEV).requires_grad_() for x in (q, k, v)]
+    out = vidattn.block_sparse_attention(*args, idx.to(DEV), cnt.to(DEV), tile_volume=V,
+                                         q_block_sizes=qs.to(DEV), kv_block_sizes=ks.to(DEV))
+    dout = randn(out.shape, 91, torch.bfloat16).to(DEV)
+    first = torch.autograd.grad(out, args, dout, retain_graph=True)
+    for _ in range(49):
+        again = torch.autograd.grad(out, args, dout, retain_graph=True)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("B,H,Qt,Kt,K", [(2, 3, 9, 7, 4), (1, 2, 40, 13000, 3), (1, 1, 5, 0, 0)])
+def test_transpose_index_equals_cpu(B, H, Qt, Kt, K):
+    # Kt = 13000 keeps the cursors in global memory (too many for shared memory).
+    idx, cnt = random_index(B, H, Qt, Kt, K, 30 + Kt) if Kt else (
+        torch.full((B, H, Qt, 0), -1, dtype=torch.int32), torch.zeros((B, H, Qt), dtype=torch.int32))
+    off_cpu, k2q_cpu = ops.block_sparse_transpose_index(idx, cnt, Kt)
+    poison_allocator(1 << 20)
+    off, k2q = ops.block_sparse_transpose_index(idx.to(DEV), cnt.to(DEV), Kt)
+    assert torch.equal(off.cpu(), off_cpu) and torch.equal(k2q.cpu(), k2q_cpu)
+
+
+def test_cuda_graph_replay_equals_eager():
+    V, B, Hq, Hkv, D, Qt, Kt = 128, 2, 3, 3, 64, 3, 4
+    q, k, v, idx, cnt, qs, ks = make_case(torch.float16, V, B, Hq, Hkv, D, Qt, Kt, 3, 4.0, 120)
+    static = [x.to(DEV).requires_grad_() for x in (q, k, v)]
+    idx_d, cnt_d, qs_d, ks_d = (x.to(DEV) for x in (idx, cnt, qs, ks))
+    dout = randn((B, Qt * V, Hq, D), 121, torch.float16).to(DEV)
+
+    def step():
+        out = vidattn.block_sparse_attention(*static, idx_d, cnt_d, tile_volume=V,
+                                             q_block_sizes=qs_d, kv_block_sizes=ks_d)
+        return (out.detach(), *torch.autograd.grad(out, static, dout))
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for seed in (122, 123):  # new input values, replayed, against eager on the same values
+        with torch.no_grad():
+            for i, x in enumerate(static):
+                x.copy_(randn(x.shape, seed + i, torch.float16, 4.0 if i < 2 else 1.0).to(DEV))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = step()
+        for a, b in zip(captured, eager):
+            assert torch.equal(a, b)
+
+
+def test_bad_index_and_unsupported_inputs_raise_clear_errors():
+    q = torch.randn(1, 128, 2, 64, generator=gen(40)).to(torch.bfloat16).to(DEV)
+    idx, cnt = random_index(1, 2, 2, 2, 2, 41, allow_empty=False)
+    bsa = vidattn.block_sparse_attention
+    bad = idx.clone()
+    bad[0, 0, 0, cnt[0, 0, 0] - 1] = 2
+    with pytest.raises(ValueError, match="out of range"):
+        bsa(q, q, q, bad.to(DEV), cnt.to(DEV))
+    with pytest.raises(ValueError, match="out of range"):
+        ops.block_sparse_transpose_index(bad.to(DEV), cnt.to(DEV), 2)
+    asc = idx.clone()
+    asc[0, 1, 1, :2] = torch.tensor([1, 0], dtype=torch.int32)
+    cnt2 = cnt.clone()
+    cnt2[0, 1, 1] = 2
+    with pytest.raises(ValueError, match="ascending"):
+        bsa(q, q, q, asc.to(DEV), cnt2.to(DEV))
+    with pytest.raises(ValueError, match="counts"):
+        bsa(q, q, q, idx.to(DEV), (cnt + 5).to(DEV))
+    sizes = torch.tensor([64, 65], dtype=torch.int32, device=DEV)
+    with pytest.raises(ValueError, match="kv_block_sizes"):
+        bsa(q, q, q, idx.to(DEV), cnt.to(DEV), kv_block_sizes=sizes)
+    with pytest.raises(ValueError, match="must be on"):
+        bsa(q, q, q, idx, cnt)  # index on the CPU, tensors on the GPU
+    with pytest.raises(NotImplementedError, match="bfloat16 and float16"):
+        bsa(q.float(), q.float(), q.float(), idx.to(DEV), cnt.to(DEV))
+    q96 = torch.zeros(1, 128, 2, 96, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(NotImplementedError, match="head dims"):
+        bsa(q96, q96, q96, idx.to(DEV), cnt.to(DEV))
+    # The good index still works after the errors (nothing left broken on the stream).
+    out = bsa(q, q, q, idx.to(DEV), cnt.to(DEV))
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("B,Qt,Kt", [(0, 2, 2), (1, 0, 2), (1, 2, 0)])
+def test_empty_inputs(B, Qt, Kt):
+    mk = lambda n, s: randn((B, n * 64, 2, 64), s, torch.bfloat16).to(DEV).requires_grad_()
+    q, k, v = mk(Qt, 140), mk(Kt, 141), mk(Kt, 142)
+    idx = torch.full((B, 2, Qt, min(2, Kt)), -1, dtype=torch.int32, device=DEV)
+    cnt = torch.zeros((B, 2, Qt), dtype=torch.int32, device=DEV)
+    out, lse = vidattn.block_sparse_attention(q, k, v, idx, cnt, return_lse=True)
+    assert out.shape == q.shape and (out == 0).all() and torch.isneginf(lse).all()
+    for g, x in zip(torch.autograd.grad(out.sum(), (q, k, v)), (q, k, v)):
+        assert g.shape == x.shape and (g == 0).all()

@@ -1,0 +1,71 @@
+"""Speed sanity of the sm_80 block-sparse attention against our dense forward on the same
+tensors (Wan2.1-1.3B 480p: B1 H12, 624 tiles of 64 tokens = 39,936 slots, D128, bf16,
+90% sparsity -> topk 63). Prints TFLOP/s (FLOPs of the selected blocks: 4*B*H*Sq*(topk*64)*D
+forward, 2.5x that backward); writes JSON to argv[1] when given. Not a test."""
+import json
+import sys
+
+import torch
+import triton.testing
+
+import vidattn
+
+
+def main() -> None:
+    B, H, D, V, tiles, topk = 1, 12, 128, 64, 624, 63
+    S = tiles * V
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(B, S, H, D, generator=g, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    # A random selection of topk tiles per (head, query tile), ascending.
+    scores = torch.rand(B, H, tiles, tiles, generator=g, device="cuda")
+    idx = scores.topk(topk, dim=-1).indices.sort(-1).values.to(torch.int32).contiguous()
+    cnt = torch.full((B, H, tiles), topk, dtype=torch.int32, device="cuda")
+    ops = torch.ops.vidattn
+    out, lse = ops.block_sparse_attention(q, k, v, idx, cnt, tile_volume=V)
+    dout = torch.randn_like(out)
+    off, k2q = ops.block_sparse_transpose_index(idx, cnt, tiles)
+
+    def backward():
+        return ops.block_sparse_attention_backward(
+            dout, q, k, v, out, lse, idx, cnt, off, k2q, tile_volume=V, q_block_sizes=None,
+            kv_block_sizes=None, scale=None, deterministic=True)
+
+    fwd_flops = 4.0 * B * H * S * (topk * V) * D
+    res = {}
+    res["sparse_fwd_ms"] = triton.testing.do_bench(
+        lambda: ops.block_sparse_attention(q, k, v, idx, cnt, tile_volume=V), return_mode="median")
+    res["sparse_bwd_ms"] = triton.testing.do_bench(backward, return_mode="median")
+    res["transpose_ms"] = triton.testing.do_bench(
+        lambda: ops.block_sparse_transpose_index(idx, cnt, tiles), return_mode="median")
+    res["dense_fwd_ms"] = triton.testing.do_bench(lambda: vidattn.attention(q, k, v),
+                                                  return_mode="median")
+    # Inside a CUDA graph the host-synchronising index check is skipped: the kernels alone.
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.block_sparse_attention(q, k, v, idx, cnt, tile_volume=V)
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph):
+        ops.block_sparse_attention(q, k, v, idx, cnt, tile_volume=V)
+    res["sparse_fwd_graph_ms"] = triton.testing.do_bench(graph.replay, return_mode="median")
+    qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+    dense_out = vidattn.attention(qg, kg, vg)
+    res["dense_bwd_ms"] = triton.testing.do_bench(
+        lambda: torch.autograd.grad(dense_out, (qg, kg, vg), dout, retain_graph=True),
+        return_mode="median")
+    res["sparse_fwd_tflops"] = fwd_flops / res["sparse_fwd_ms"] * 1e-9
+    res["sparse_fwd_graph_tflops"] = fwd_flops / res["sparse_fwd_graph_ms"] * 1e-9
+    res["sparse_bwd_tflops"] = 2.5 * fwd_flops / res["sparse_bwd_ms"] * 1e-9
+    res["dense_fwd_tflops"] = 4.0 * B * H * S * S * D / res["dense_fwd_ms"] * 1e-9
+    res["dense_bwd_tflops"] = 2.5 * 4.0 * B * H * S * S * D / res["dense_bwd_ms"] * 1e-9
+    res["sparse_fwd_speedup_vs_dense"] = res["dense_fwd_ms"] / res["sparse_fwd_ms"]
+    print(json.dumps(res, indent=1))
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
