@@ -10,6 +10,7 @@
 #   CMAKE_ARGS="-DVIDATTN_CUDA_TARGETS=90a" bash tools/gpu_runner.sh   # extra configure arguments
 #   VIDATTN_GIT_COMMIT=<hash> names the commit in the bench JSON when the tree has no .git
 #   BENCH_ARGS="--shapes gpu-dense --out $OUT/bench.json" bash tools/gpu_runner.sh
+#   PREBUILT_OPS=build/carry/_vidattn_ops.so ...   # skip the build; PYTEST_TIMEOUT, BENCH_TIMEOUT (s)
 #   FASTVIDEO_DIR=../fastvideo BENCH_ARGS="--shapes gpu-suite" ...   # FastVideo's Triton peers
 #     (a folder holding fastvideo_kernel/, made by tools/fastvideo_peer.sh)
 set -uo pipefail
@@ -61,6 +62,12 @@ if [ "$RUNNER_CXX" = /usr/bin/g++ ] && [ -x /usr/bin/gcc ]; then export CC=/usr/
 cat "$LOGS/env.log"
 
 BUILD_OK=1
+# PREBUILT_OPS=path/_vidattn_ops.so: an op library built elsewhere for this torch (e.g. on a
+# CPU machine with -DVIDATTN_CUDA=ON -DVIDATTN_USE_BLAS=OFF) instead of the build stage.
+if [ -n "${PREBUILT_OPS:-}" ]; then
+  STAGES=${STAGES//build/}
+  cp "$PREBUILT_OPS" python/vidattn/_vidattn_ops.so || BUILD_OK=0
+fi
 if has build; then
   tests_flag=OFF
   if [ -n "$(find /usr /opt -name GTestConfig.cmake -print -quit 2>/dev/null)" ]; then tests_flag=ON; fi
@@ -77,7 +84,7 @@ fi
 
 if [ $BUILD_OK = 1 ]; then
   if has pytest; then
-    stage pytest 300 $PYTHON -m pytest tests/python -q -rfE -p no:cacheprovider \
+    stage pytest ${PYTEST_TIMEOUT:-300} $PYTHON -m pytest tests/python -q -rfE -p no:cacheprovider \
       --junitxml="$OUT/pytest.xml" ${PYTEST_ARGS:-}
   fi
   if has cpp && [ -x build/gpu/tests/cpp/vidattn_cpp_tests ]; then
@@ -91,7 +98,7 @@ if [ $BUILD_OK = 1 ]; then
   fi
   if has bench; then
     if [ -d python/vidattn/bench ]; then
-      stage vidattn_bench 300 $PYTHON -m vidattn.bench --no-progress ${BENCH_ARGS:-}
+      stage vidattn_bench ${BENCH_TIMEOUT:-300} $PYTHON -m vidattn.bench --no-progress ${BENCH_ARGS:-}
     fi
   fi
   if has bench_dense; then
