@@ -308,6 +308,7 @@ struct SparseArgs {
   OptTensor q_block_sizes, kv_block_sizes;
   std::optional<double> scale;
   bool deterministic = true;
+  bool validate_index = true;
 };
 
 BlockSparseOptions options_of(const SparseArgs& a, const char* fn, const Tensor& q) {
@@ -318,6 +319,7 @@ BlockSparseOptions options_of(const SparseArgs& a, const char* fn, const Tensor&
   o.kv_block_sizes = view_of(a.kv_block_sizes, fn, "kv_block_sizes");
   o.scale = a.scale;
   o.deterministic = a.deterministic;
+  o.validate_index = a.validate_index;
   o.num_threads = threads();
   return o;
 }
@@ -325,7 +327,8 @@ BlockSparseOptions options_of(const SparseArgs& a, const char* fn, const Tensor&
 std::tuple<Tensor, Tensor> block_sparse_attention_kernel(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q2k_index,
     const Tensor& q2k_count, int64_t tile_volume, const OptTensor& q_block_sizes,
-    const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic) {
+    const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic,
+    bool validate_index) {
   constexpr const char* fn = "vidattn.block_sparse_attention";
   const at::OptionalDeviceGuard device_guard(at::device_of(q));  // run on the inputs' device
   require_int32(q2k_index, fn, "q2k_index");
@@ -333,7 +336,8 @@ std::tuple<Tensor, Tensor> block_sparse_attention_kernel(
   require_int32(q_block_sizes, fn, "q_block_sizes");
   require_int32(kv_block_sizes, fn, "kv_block_sizes");
   return translate_errors([&] {
-    const SparseArgs a{tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic};
+    const SparseArgs a{tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic,
+                       validate_index};
     const TensorView qv = view_of(q, fn, "q"), kv = view_of(k, fn, "k"), vv = view_of(v, fn, "v");
     const TensorView iv = view_of(q2k_index, fn, "q2k_index"), cv = view_of(q2k_count, fn, "q2k_count");
     const BlockSparseOptions o = options_of(a, fn, q);
@@ -349,7 +353,8 @@ std::tuple<Tensor, Tensor> block_sparse_attention_kernel(
 std::tuple<Tensor, Tensor> block_sparse_attention_meta(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q2k_index,
     const Tensor& q2k_count, int64_t tile_volume, const OptTensor& q_block_sizes,
-    const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic) {
+    const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic,
+    bool validate_index) {
   constexpr const char* fn = "vidattn.block_sparse_attention";
   require_int32(q2k_index, fn, "q2k_index");
   require_int32(q2k_count, fn, "q2k_count");
@@ -361,7 +366,8 @@ std::tuple<Tensor, Tensor> block_sparse_attention_meta(
   if (is_concrete(q) && is_concrete(k) && is_concrete(v) && is_concrete(q2k_index) &&
       is_concrete(q2k_count))
     translate_errors([&] {
-      const SparseArgs a{tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic};
+      const SparseArgs a{tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic,
+                       validate_index};
       describe_block_sparse_attention(view_of(q, fn, "q"), view_of(k, fn, "k"), view_of(v, fn, "v"),
                                       view_of(q2k_index, fn, "q2k_index"),
                                       view_of(q2k_count, fn, "q2k_count"), options_of(a, fn, q));
@@ -374,7 +380,7 @@ std::tuple<Tensor, Tensor> block_sparse_attention_meta(
 }
 
 std::tuple<Tensor, Tensor> transpose_index_kernel(const Tensor& q2k_index, const Tensor& q2k_count,
-                                                  int64_t num_kv_tiles) {
+                                                  int64_t num_kv_tiles, bool validate_index) {
   constexpr const char* fn = "vidattn.block_sparse_transpose_index";
   const at::OptionalDeviceGuard device_guard(at::device_of(q2k_index));  // run on the inputs' device
   require_int32(q2k_index, fn, "q2k_index");
@@ -388,13 +394,13 @@ std::tuple<Tensor, Tensor> transpose_index_kernel(const Tensor& q2k_index, const
     block_sparse_transpose_index(view_of(q2k_index, fn, "q2k_index"),
                                  view_of(q2k_count, fn, "q2k_count"), num_kv_tiles,
                                  view_of(offsets, fn, "k2q_offsets"), view_of(index, fn, "k2q_index"),
-                                 threads(), stream_of(q2k_index));
+                                 threads(), stream_of(q2k_index), validate_index);
     return std::make_tuple(offsets, index);
   });
 }
 
 std::tuple<Tensor, Tensor> transpose_index_meta(const Tensor& q2k_index, const Tensor&,
-                                                int64_t num_kv_tiles) {
+                                                int64_t num_kv_tiles, bool) {
   constexpr const char* fn = "vidattn.block_sparse_transpose_index";
   TORCH_CHECK_VALUE(q2k_index.dim() == 4, fn, ": 'q2k_index' must be 4-D [B, Hq, Qtiles, MaxK]");
   TORCH_CHECK_VALUE(num_kv_tiles >= 0, fn, ": num_kv_tiles must be >= 0, got ", num_kv_tiles);
@@ -457,7 +463,7 @@ class BlockSparseFunction : public torch::autograd::Function<BlockSparseFunction
     {
       at::AutoDispatchBelowADInplaceOrView guard;
       std::tie(out, lse) = op.call(q, k, v, q2k_index, q2k_count, a.tile_volume, a.q_block_sizes,
-                                   a.kv_block_sizes, a.scale, a.deterministic);
+                                   a.kv_block_sizes, a.scale, a.deterministic, a.validate_index);
     }
     ctx->save_for_backward({q, k, v, out, lse, q2k_index, q2k_count});
     ctx->saved_data["tile_volume"] = a.tile_volume;
@@ -480,7 +486,9 @@ class BlockSparseFunction : public torch::autograd::Function<BlockSparseFunction
     const auto& d = ctx->saved_data;
     const int64_t tile_volume = d.at("tile_volume").toInt();
     // The transposed index exists only here, when a gradient is wanted.
-    auto [k2q_offsets, k2q_index] = transpose.call(s[5], s[6], s[1].size(1) / tile_volume);
+    // The forward checked (or was told to trust) this index: no second check.
+    auto [k2q_offsets, k2q_index] =
+        transpose.call(s[5], s[6], s[1].size(1) / tile_volume, /*validate_index=*/false);
     auto [dq, dk, dv] =
         op.call(grad, s[0], s[1], s[2], out, s[4], s[5], s[6], k2q_offsets, k2q_index, tile_volume,
                 get_optional_tensor(d.at("q_block_sizes")), get_optional_tensor(d.at("kv_block_sizes")),
@@ -492,10 +500,12 @@ class BlockSparseFunction : public torch::autograd::Function<BlockSparseFunction
 std::tuple<Tensor, Tensor> block_sparse_attention_autograd(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q2k_index,
     const Tensor& q2k_count, int64_t tile_volume, const OptTensor& q_block_sizes,
-    const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic) {
+    const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic,
+    bool validate_index) {
   auto r = BlockSparseFunction::apply(
       q, k, v, q2k_index, q2k_count,
-      SparseArgs{tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic});
+      SparseArgs{tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic,
+                 validate_index});
   return std::make_tuple(r[0], r[1]);
 }
 
@@ -518,10 +528,12 @@ TORCH_LIBRARY_FRAGMENT(vidattn, m) {
   m.def(
       "block_sparse_attention(Tensor q, Tensor k, Tensor v, Tensor q2k_index, Tensor q2k_count, *, "
       "int tile_volume=64, Tensor? q_block_sizes=None, Tensor? kv_block_sizes=None, "
-      "float? scale=None, bool deterministic=True) -> (Tensor out, Tensor lse)",
+      "float? scale=None, bool deterministic=True, bool validate_index=True) -> "
+      "(Tensor out, Tensor lse)",
       tags);
   m.def(
-      "block_sparse_transpose_index(Tensor q2k_index, Tensor q2k_count, int num_kv_tiles) -> "
+      "block_sparse_transpose_index(Tensor q2k_index, Tensor q2k_count, int num_kv_tiles, *, "
+      "bool validate_index=True) -> "
       "(Tensor k2q_offsets, Tensor k2q_index)",
       tags);
   m.def(

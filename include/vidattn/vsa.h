@@ -39,7 +39,9 @@
 //   strictly ascending, block sizes in [0, V]) and copy its 8-byte verdict to the host, which
 //   waits for the stream, then throw the same ValueError as the CPU. While the stream is being
 //   captured into a CUDA graph the check is skipped (no host synchronisation there), and the
-//   backward never checks (its index comes from a checked forward and transpose). Unchecked,
+//   backward never checks (its index comes from a checked forward and transpose).
+//   `validate_index = false` skips it too: video_sparse_attention passes it for the index
+//   its own top-k built, so an eager VSA step does not wait on the host either. Unchecked,
 //   the kernels still never read outside the tensors: ids outside [0, KVtiles) are skipped,
 //   counts and k2q offsets are clamped; a non-ascending row then only gives wrong numbers.
 // - Nothing else synchronises with the host: the forward + backward is capturable.
@@ -160,6 +162,10 @@ struct BlockSparseOptions {
   std::optional<TensorView> kv_block_sizes;  // int32 [KVtiles]; default: every tile full
   std::optional<double> scale;               // default 1 / sqrt(D)
   bool deterministic = true;                 // the CPU is always deterministic
+  // CUDA: check the index on the device before use, which costs one host synchronisation.
+  // False for an index vidattn built itself (select_topk_tiles in video_sparse_attention);
+  // the CPU always checks (no synchronisation there).
+  bool validate_index = true;
   int num_threads = 0;
   void* stream = nullptr;  // cudaStream_t for CUDA tensors (null: the legacy default stream)
 };
@@ -195,7 +201,7 @@ void block_sparse_attention_forward(const TensorView& q, const TensorView& k, co
 void block_sparse_transpose_index(const TensorView& q2k_index, const TensorView& q2k_count,
                                   std::int64_t num_kv_tiles, const TensorView& k2q_offsets,
                                   const TensorView& k2q_index, int num_threads = 0,
-                                  void* stream = nullptr);
+                                  void* stream = nullptr, bool validate_index = true);
 
 // dq, dk, dv shaped like q, k, v, written in full; k2q from block_sparse_transpose_index.
 void block_sparse_attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,

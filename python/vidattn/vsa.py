@@ -139,6 +139,7 @@ def block_sparse_attention(
     scale: Optional[float] = None,
     deterministic: bool = True,
     return_lse: bool = False,
+    validate_index: bool = True,
 ):
     """Attention of each query tile over its selected key tiles only.
 
@@ -151,11 +152,16 @@ def block_sparse_attention(
     for the backward is built only when a gradient is needed; the CPU backward is deterministic
     whatever ``deterministic`` says. Returns out ``[B, Sq, Hq, Dv]`` and with ``return_lse``
     the natural-log LSE ``[B, Hq, Sq]`` (float32; float64 for float64 inputs).
+
+    The index is checked (ids in range and ascending, counts in ``[0, MaxK]``) and a bad one
+    raises ``ValueError``. On CUDA the check runs on the device and waits for its verdict (one
+    host synchronisation; skipped inside CUDA-graph capture); ``validate_index=False`` skips it
+    for an index known to be valid (kernels never read out of bounds either way).
     """
     out, lse = _ops.block_sparse_attention(
         q, k, v, q2k_index, q2k_count, tile_volume=int(tile_volume),
         q_block_sizes=q_block_sizes, kv_block_sizes=kv_block_sizes, scale=scale,
-        deterministic=bool(deterministic))
+        deterministic=bool(deterministic), validate_index=bool(validate_index))
     return (out, lse) if return_lse else out
 
 
@@ -265,7 +271,8 @@ def video_sparse_attention(
         scale=scale, cu_tiles_q=cu_q, cu_tiles_k=cu_k)
     o_s, _ = _ops.block_sparse_attention(
         q, k, v, q2k_index, q2k_count, tile_volume=volume, q_block_sizes=tiling.block_sizes,
-        kv_block_sizes=kv_tiling.block_sizes, scale=scale)
+        kv_block_sizes=kv_tiling.block_sizes, scale=scale,
+        validate_index=False)  # built by topk_tiles just above: valid by construction
     # out = o_s + gate * (o_c on each tile's valid slots), in one pass.
     out = _ops.vsa_combine(o_s, o_c, gate, tiling.block_sizes, volume)
     return (out, (q2k_index, q2k_count)) if return_selection else out

@@ -505,7 +505,8 @@ void block_sparse_attention_forward(const TensorView& q, const TensorView& k, co
 
 void block_sparse_transpose_index(const TensorView& q2k_index, const TensorView& q2k_count,
                                   std::int64_t num_kv_tiles, const TensorView& k2q_offsets,
-                                  const TensorView& k2q_index, int num_threads, void* stream) {
+                                  const TensorView& k2q_index, int num_threads, void* stream,
+                                  bool validate_index) {
   const ArgChecker check("vidattn::block_sparse_transpose_index");
   check.ndim(q2k_index, "q2k_index", 4, "[B, Hq, Qtiles, MaxK]");
   check.dtype(q2k_index, "q2k_index", DType::kInt32);
@@ -523,9 +524,10 @@ void block_sparse_transpose_index(const TensorView& q2k_index, const TensorView&
   if (device.kind != DeviceKind::kCPU) {
 #ifdef VIDATTN_WITH_CUDA
     return detail::cuda_block_sparse_transpose_index(q2k_index, q2k_count, num_kv_tiles,
-                                                     k2q_offsets, k2q_index, stream);
+                                                     k2q_offsets, k2q_index, stream,
+                                                     validate_index);
 #else
-    (void)stream;
+    (void)stream, (void)validate_index;
     no_cuda(check.function());
 #endif
   }

@@ -42,7 +42,7 @@ void cpu_block_sparse_backward(const BlockSparseProblem& p, const TensorView& q,
 // CUDA (sm_80 and newer; src/cuda/sm80/block_sparse_sm80.cu): bfloat16 / float16, D = Dv in
 // {64, 128}; anything else throws NotImplementedError. Asynchronous on the given stream,
 // except the index check of the forward and of the transpose (vsa.h), which is skipped while
-// the stream is being captured.
+// the stream is being captured or when validate_index is false.
 void cuda_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
                                const TensorView& k, const TensorView& v,
                                const TensorView& q2k_index, const TensorView& q2k_count,
@@ -50,7 +50,8 @@ void cuda_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
                                const BlockSparseOptions& options);
 void cuda_block_sparse_transpose_index(const TensorView& q2k_index, const TensorView& q2k_count,
                                        std::int64_t num_kv_tiles, const TensorView& k2q_offsets,
-                                       const TensorView& k2q_index, void* stream);
+                                       const TensorView& k2q_index, void* stream,
+                                       bool validate_index);
 void cuda_block_sparse_backward(const BlockSparseProblem& p, const TensorView& q,
                                 const TensorView& k, const TensorView& v, const TensorView& out,
                                 const TensorView& lse, const TensorView& grad_out,

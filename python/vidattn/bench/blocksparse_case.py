@@ -150,7 +150,10 @@ class VidattnBlockSparse(Impl):
 
         return vidattn.block_sparse_attention(inputs.q, inputs.k, inputs.v, inputs.q2k_index,
                                               inputs.q2k_count, tile_volume=inputs.tile,
-                                              scale=inputs.scale)
+                                              scale=inputs.scale,
+                                              # The bench builds a valid selection, and the
+                                              # peers do not check theirs either.
+                                              validate_index=False)
 
 
 class FlexBlockSparse(Impl):

@@ -381,8 +381,9 @@ void cuda_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
   if (out.numel() == 0 && lse.numel() == 0) return;
   const DeviceScope device(p.device.index);
   const auto stream = static_cast<cudaStream_t>(o.stream);
-  check_index_on_device(kFn, q2k_index, q2k_count, p.kv_tiles, optional_view(o.q_block_sizes),
-                        optional_view(o.kv_block_sizes), p.tile_volume, stream);
+  if (o.validate_index)
+    check_index_on_device(kFn, q2k_index, q2k_count, p.kv_tiles, optional_view(o.q_block_sizes),
+                          optional_view(o.kv_block_sizes), p.tile_volume, stream);
   AttentionParams kp = sparse_params(p, q, k, v, q2k_index, q2k_count, out, lse, o);
   kp.out_aligned4 = rows_aligned(out, 4);
   dispatch_dtype_head_dim(p.dtype == DType::kBFloat16, p.head_dim, [&](auto t, auto d) {
@@ -396,7 +397,8 @@ void cuda_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
 
 void cuda_block_sparse_transpose_index(const TensorView& q2k_index, const TensorView& q2k_count,
                                        std::int64_t num_kv_tiles, const TensorView& k2q_offsets,
-                                       const TensorView& k2q_index, void* stream_ptr) {
+                                       const TensorView& k2q_index, void* stream_ptr,
+                                       bool validate_index) {
   using namespace cuda_sm80;
   constexpr const char* kFn = "vidattn::block_sparse_transpose_index";
   if (q2k_index.shape[2] * std::max<std::int64_t>(q2k_index.shape[3], 1) > INT_MAX ||
@@ -406,7 +408,8 @@ void cuda_block_sparse_transpose_index(const TensorView& q2k_index, const Tensor
   if (k2q_offsets.numel() == 0) return;
   const DeviceScope device(q2k_index.device.index);
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
-  check_index_on_device(kFn, q2k_index, q2k_count, num_kv_tiles, nullptr, nullptr, 64, stream);
+  if (validate_index)
+    check_index_on_device(kFn, q2k_index, q2k_count, num_kv_tiles, nullptr, nullptr, 64, stream);
   launch_transpose(q2k_index, q2k_count, num_kv_tiles, k2q_offsets, k2q_index, stream);
 }
 
