@@ -17,8 +17,15 @@
 #include "tensor_adapter.h"
 #include "vidattn/attention.h"
 
+namespace vidattn::detail {
+std::int64_t sm90_forward_launch_count() noexcept;  // src/core/attention.cpp
+}  // namespace vidattn::detail
+
 namespace vidattn::torch_ops {
 namespace {
+
+// Debug query for tests: how many times the sm_90a forward kernels ran in this process.
+int64_t sm90_forward_launches() { return vidattn::detail::sm90_forward_launch_count(); }
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
@@ -277,6 +284,7 @@ TORCH_LIBRARY(vidattn, m) {
       "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k) -> "
       "(Tensor dq, Tensor dk, Tensor dv)",
       tags);
+  m.def("_sm90_forward_launches() -> int", &sm90_forward_launches);
 }
 
 TORCH_LIBRARY_IMPL(vidattn, CPU, m) {

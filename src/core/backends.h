@@ -1,6 +1,8 @@
 // Backend entry points. They receive calls that describe_attention has validated.
 #pragma once
 
+#include <cstdint>
+
 #include "vidattn/attention.h"
 
 namespace vidattn::detail {
@@ -28,5 +30,10 @@ void cuda_attention_backward(const AttentionProblem& p, const TensorView& q,
                              const TensorView& dq, const TensorView& dk, const TensorView& dv,
                              const AttentionOptions& options);
 #endif
+
+// Launches of the sm_90a (Hopper) forward kernels so far in this process: lets tests check
+// which path ran (torch.ops.vidattn._sm90_forward_launches). Thread-safe.
+void note_sm90_forward_launch() noexcept;
+std::int64_t sm90_forward_launch_count() noexcept;
 
 }  // namespace vidattn::detail

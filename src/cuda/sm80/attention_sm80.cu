@@ -6,11 +6,14 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "../../core/backends.h"
 #include "../../core/check.h"
+#include "../sm90/sm90_fwd_launch.h"
 #include "launch.h"
 #include "params.h"
 
@@ -126,6 +129,55 @@ AttentionParams base_params(const AttentionProblem& p, const TensorView& q, cons
   return kp;
 }
 
+// ---- sm_90a forward routing ----------------------------------------------------------------
+// The Hopper kernels read tiles with TMA: every row start 16-byte aligned and every stride of a
+// dimension with more than one entry a multiple of 16 bytes and below 2^40 bytes.
+bool tma_compatible(const TensorView& t) {
+  if (reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0) return false;
+  const std::int64_t elem = static_cast<std::int64_t>(dtype_size(t.dtype));
+  for (int d = 0; d + 1 < t.ndim; ++d) {
+    if (t.shape[d] <= 1) continue;
+    const std::int64_t bytes = t.stride[d] * elem;
+    if (bytes <= 0 || bytes % 16 != 0 || bytes >= (std::int64_t{1} << 40)) return false;
+  }
+  return t.ndim == 0 || t.stride[t.ndim - 1] == 1 || t.shape[t.ndim - 1] <= 1;
+}
+
+// VIDATTN_DISABLE_SM90=1 keeps sm_90 devices on the portable path (read once per process).
+bool sm90_disabled_by_env() {
+  static const bool disabled = [] {
+    const char* v = std::getenv("VIDATTN_DISABLE_SM90");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return disabled;
+}
+
+bool device_is_sm90(int device) {
+  int major = 0, minor = 0;
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+             "cudaDeviceGetAttribute (compute capability)");
+  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+             "cudaDeviceGetAttribute (compute capability)");
+  return major == 9 && minor == 0;
+}
+
+// Whether the dense forward may take the sm_90a kernels (they also need sm_90a code in this
+// build; the launcher answers that).
+bool sm90_dense_fits(const AttentionProblem& p, const AttentionParams& kp, const TensorView& q,
+                     const TensorView& k, const TensorView& v, const TensorView& out) {
+#ifdef VIDATTN_WITH_CUTLASS
+  if (sm90_disabled_by_env() || !device_is_sm90(p.device.index)) return false;
+  // Empty sides have nothing to describe to TMA; the portable path handles them.
+  if (kp.rows_q <= 0 || kp.rows_k <= 0 || kp.seqlen_q <= 0 || kp.seqlen_k <= 0) return false;
+  if (kp.rows_q > INT32_MAX || kp.rows_k > INT32_MAX) return false;
+  if (!(kp.scale > 0.f)) return false;  // the softmax folds the scale into a positive max
+  return tma_compatible(q) && tma_compatible(k) && tma_compatible(v) && tma_compatible(out);
+#else
+  (void)p, (void)kp, (void)q, (void)k, (void)v, (void)out;
+  return false;
+#endif
+}
+
 template <class Launch>
 void dispatch(const AttentionProblem& p, Launch&& launch) {
   const bool bf16 = p.dtype == DType::kBFloat16;
@@ -150,6 +202,15 @@ void cuda_attention_forward(const AttentionProblem& p, const TensorView& q, cons
   AttentionParams kp = base_params(p, q, k, v, out, lse, o);
   kp.out_aligned4 = rows_aligned(out, 4);
   const auto stream = static_cast<cudaStream_t>(o.stream);
+#ifdef VIDATTN_WITH_CUTLASS
+  if (sm90_dense_fits(p, kp, q, k, v, out)) {
+    bool launched = false;
+    dispatch(p, [&](auto t, auto d) {
+      launched = cuda_sm90::launch_dense_forward<decltype(t), decltype(d)::value>(kp, stream);
+    });
+    if (launched) return;
+  }
+#endif
   dispatch(p, [&](auto t, auto d) {
     cuda_sm80::launch_forward<decltype(t), decltype(d)::value>(kp, stream);
   });

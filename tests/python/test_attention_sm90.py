@@ -1,0 +1,129 @@
+"""The sm_90a (Hopper) forward: on an sm_90 GPU the dense forward must take it (checked with
+the launch counter torch.ops.vidattn._sm90_forward_launches), match the float64 reference by
+the rule of targets.md, and VIDATTN_DISABLE_SM90=1 must keep the portable path. The shapes
+here add what the generic CUDA tests don't reach: many key blocks, more tiles than SMs (the
+persistent schedule), strided packed views. Skipped on other GPUs."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+import vidattn
+from test_attention_cuda import cu, gen, randn, run_and_check
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm_90 GPU")
+
+DEV = "cuda"
+
+
+def launches() -> int:
+    return torch.ops.vidattn._sm90_forward_launches()
+
+
+def takes_sm90(fn) -> None:
+    before = launches()
+    fn()
+    torch.cuda.synchronize()
+    assert launches() > before, "the sm90 forward did not run"
+
+
+CASES = [  # B, Sq, Sk, Hq, Hkv, D, dtype, causal
+    (2, 1500, 1500, 8, 8, 128, torch.bfloat16, False),
+    (2, 1500, 1500, 8, 2, 128, torch.bfloat16, True),
+    (1, 700, 2100, 6, 3, 64, torch.float16, False),
+    (1, 2100, 700, 6, 6, 64, torch.bfloat16, True),
+    (3, 257, 129, 5, 5, 128, torch.float16, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_Sq{}_Sk{}_H{}x{}_D{}_{}_{}".format(
+    *c[:6], str(c[6])[6:], "causal" if c[7] else "full"))
+@pytest.mark.parametrize("input_scale", [1.0, 16.0])
+def test_sm90_forward_matches_reference(case, input_scale):
+    B, Sq, Sk, Hq, Hkv, D, dtype, causal = case
+    seed = zlib.crc32(repr((case, input_scale)).encode())
+    g = gen(seed)
+    q = randn((B, Sq, Hq, D), dtype, g, input_scale)
+    k = randn((B, Sk, Hkv, D), dtype, g, input_scale)
+    v = randn((B, Sk, Hkv, D), dtype, g)
+    takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
+
+
+def test_sm90_padding_masks_and_packed_views():
+    g = gen(91)
+    B, S, H, D = 3, 300, 4, 128
+    qkv = randn((B, S, 3, H, D), torch.bfloat16, g, 4.0)
+    q, k, v = qkv.unbind(2)
+    kmask = torch.rand((B, S), generator=g, device=DEV) > 0.3
+    qmask = torch.rand((B, S), generator=g, device=DEV) > 0.2
+    kmask[1] = False
+    takes_sm90(lambda: run_and_check(q, k, v, kmask=kmask, qmask=qmask, causal=True, seed=92,
+                                     check_grads=False))
+
+
+def test_sm90_varlen():
+    g = gen(93)
+    lq, lk = [300, 0, 1, 129, 64], [260, 5, 0, 400, 1]
+    Hq, Hkv, D = 4, 2, 128
+    q = randn((sum(lq), Hq, D), torch.bfloat16, g, 4.0)
+    k = randn((sum(lk), Hkv, D), torch.bfloat16, g, 4.0)
+    v = randn((sum(lk), Hkv, D), torch.bfloat16, g)
+    for causal in (False, True):
+        before = launches()
+        out, lse = vidattn.attention_varlen(q, k, v, cu(lq), cu(lk), max(lq), max(lk),
+                                            causal=causal, return_lse=True)
+        torch.cuda.synchronize()
+        assert launches() > before
+        oq = ok = 0
+        for a, b in zip(lq, lk):
+            pq = q[oq:oq + a][None]
+            pk, pv = k[ok:ok + b][None], v[ok:ok + b][None]
+            ref, ref_lse = vidattn.attention(pq.double().cpu(), pk.double().cpu(),
+                                             pv.double().cpu(), causal=causal,
+                                             return_lse=True)
+            got = out[oq:oq + a].double().cpu()
+            assert torch.isfinite(got).all()
+            err = (got - ref[0]).abs().max().item() if a else 0.0
+            assert err < 2e-2, f"varlen sequence ({a}, {b}): max abs error {err}"
+            ref_l = ref_lse[0]
+            got_l = lse[:, oq:oq + a].cpu().double()
+            assert torch.equal(torch.isinf(got_l), torch.isinf(ref_l))
+            fin = torch.isfinite(ref_l)
+            if fin.any():
+                assert (got_l[fin] - ref_l[fin]).abs().max().item() < 1e-3
+            oq, ok = oq + a, ok + b
+
+
+def test_disable_env_keeps_the_portable_path():
+    code = (
+        "import torch, vidattn\n"
+        "q = torch.randn(1, 200, 2, 128, device='cuda', dtype=torch.bfloat16)\n"
+        "vidattn.attention(q, q, q); torch.cuda.synchronize()\n"
+        "print(torch.ops.vidattn._sm90_forward_launches())\n")
+    env = dict(os.environ, VIDATTN_DISABLE_SM90="1")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "0"
+    env.pop("VIDATTN_DISABLE_SM90")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert int(res.stdout.strip().splitlines()[-1]) >= 1
+
+
+def test_misaligned_views_fall_back():
+    g = gen(95)
+    n = 70 * 2 * 64
+    flat = randn((3 * n + 1,), torch.bfloat16, g)
+    q, k, v = (flat[1 + i * n: 1 + (i + 1) * n].view(1, 70, 2, 64) for i in range(3))
+    before = launches()
+    run_and_check(q, k, v, seed=96, check_grads=False)
+    assert launches() == before
