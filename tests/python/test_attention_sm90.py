@@ -127,3 +127,83 @@ def test_misaligned_views_fall_back():
     before = launches()
     run_and_check(q, k, v, seed=96, check_grads=False)
     assert launches() == before
+
+
+# ---- block-sparse key lists (standalone sm_90a launcher) -----------------------------------
+
+def sparse_inputs(g, B, Hq, Hkv, q_tiles, kv_tiles, tile, D, dtype, max_k):
+    q = randn((B, q_tiles * tile, Hq, D), dtype, g, 4.0)
+    k = randn((B, kv_tiles * tile, Hkv, D), dtype, g, 4.0)
+    v = randn((B, kv_tiles * tile, Hkv, D), dtype, g)
+    sizes = torch.randint(0, tile + 1, (kv_tiles,), generator=g, device=DEV, dtype=torch.int32)
+    sizes[0], sizes[-1] = tile, 0  # a full tile and an empty one
+    scores = torch.rand((B, Hq, q_tiles, kv_tiles), generator=g, device=DEV)
+    index = scores.topk(max_k, dim=-1).indices.sort(dim=-1).values.to(torch.int32)
+    count = torch.randint(0, max_k + 1, (B, Hq, q_tiles), generator=g, device=DEV,
+                          dtype=torch.int32)
+    count[0, 0, 0] = 0  # a query tile that selects nothing
+    count[..., -1] = max_k
+    slot = torch.arange(max_k, device=DEV)
+    index = torch.where(slot < count[..., None], index, torch.full_like(index, -1))
+    return q, k, v, index, count, sizes
+
+
+def sparse_reference(q, k, v, index, count, sizes, tile, scale):
+    """Dense attention with the token mask the key lists imply, in q's dtype (float64 for the
+    reference). Rows of a tile that selects nothing: out 0, lse -inf."""
+    B, Sq, Hq, _ = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    kv_tiles = Sk // tile
+    # Unused slots (-1) scatter into an extra column that is dropped.
+    sel = torch.zeros((B, Hq, Sq // tile, kv_tiles + 1), dtype=torch.bool, device=q.device)
+    idx = torch.where(index >= 0, index, kv_tiles).long()
+    sel.scatter_(-1, idx, True)
+    sel = sel[..., :kv_tiles]
+    slot_ok = (torch.arange(tile, device=q.device)[None, :] < sizes[:, None]).reshape(Sk)
+    vis = sel.repeat_interleave(tile, dim=2).repeat_interleave(tile, dim=3) & slot_ok
+    kk = k.repeat_interleave(Hq // Hkv, dim=2)
+    vv = v.repeat_interleave(Hq // Hkv, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, kk) * scale
+    row = vis.any(-1, keepdim=True)
+    s = s.masked_fill(~vis, float("-inf")).masked_fill(~row, 0.0)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.logsumexp(s.to(lse_dtype), -1).masked_fill(~row[..., 0], float("-inf"))
+    p = torch.softmax(s, -1) * row
+    return torch.einsum("bhij,bjhd->bihd", p, vv), lse
+
+
+@pytest.mark.parametrize("tile", [64, 128, 256])
+@pytest.mark.parametrize("D,dtype", [(128, torch.bfloat16), (64, torch.float16)],
+                         ids=["D128_bf16", "D64_fp16"])
+def test_sm90_block_sparse_matches_reference(tile, D, dtype):
+    from test_attention_cuda import check_rule
+    g = gen(zlib.crc32(repr((tile, D, str(dtype))).encode()))
+    B, Hq, Hkv, q_tiles, kv_tiles, max_k = 2, 4, 2, 5, 7, 3
+    q, k, v, index, count, sizes = sparse_inputs(g, B, Hq, Hkv, q_tiles, kv_tiles, tile, D,
+                                                 dtype, max_k)
+    scale = D ** -0.5
+    before = launches()
+    out, lse = torch.ops.vidattn._block_sparse_forward_sm90(q, k, v, index, count, sizes, tile)
+    torch.cuda.synchronize()
+    assert launches() > before
+    ref, ref_lse = sparse_reference(q.double(), k.double(), v.double(), index, count, sizes,
+                                    tile, scale)
+    low, low_lse = sparse_reference(q, k, v, index, count, sizes, tile, scale)
+    assert torch.isfinite(out).all()
+    check_rule("out", out, ref, low, dtype)
+    check_rule("lse", lse, ref_lse, low_lse, dtype)
+
+
+def test_sm90_block_sparse_bad_arguments():
+    g = gen(97)
+    q = randn((1, 128, 2, 64), torch.bfloat16, g)
+    index = torch.zeros((1, 2, 2, 1), dtype=torch.int32, device=DEV)
+    count = torch.ones((1, 2, 2), dtype=torch.int32, device=DEV)
+    sizes = torch.full((2,), 64, dtype=torch.int32, device=DEV)
+    op = torch.ops.vidattn._block_sparse_forward_sm90
+    with pytest.raises(ValueError, match="tile_volume"):
+        op(q, q, q, index, count, sizes, 96)
+    with pytest.raises(ValueError, match="q2k_count"):
+        op(q, q, q, index, count[:, :1], sizes, 64)
+    with pytest.raises(TypeError, match="kv_block_sizes"):
+        op(q, q, q, index, count, sizes.float(), 64)

@@ -6,13 +6,12 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "../../core/backends.h"
 #include "../../core/check.h"
+#include "../sm90/sm90_dispatch.h"
 #include "../sm90/sm90_fwd_launch.h"
 #include "launch.h"
 #include "params.h"
@@ -129,49 +128,18 @@ AttentionParams base_params(const AttentionProblem& p, const TensorView& q, cons
   return kp;
 }
 
-// ---- sm_90a forward routing ----------------------------------------------------------------
-// The Hopper kernels read tiles with TMA: every row start 16-byte aligned and every stride of a
-// dimension with more than one entry a multiple of 16 bytes and below 2^40 bytes.
-bool tma_compatible(const TensorView& t) {
-  if (reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0) return false;
-  const std::int64_t elem = static_cast<std::int64_t>(dtype_size(t.dtype));
-  for (int d = 0; d + 1 < t.ndim; ++d) {
-    if (t.shape[d] <= 1) continue;
-    const std::int64_t bytes = t.stride[d] * elem;
-    if (bytes <= 0 || bytes % 16 != 0 || bytes >= (std::int64_t{1} << 40)) return false;
-  }
-  return t.ndim == 0 || t.stride[t.ndim - 1] == 1 || t.shape[t.ndim - 1] <= 1;
-}
-
-// VIDATTN_DISABLE_SM90=1 keeps sm_90 devices on the portable path (read once per process).
-bool sm90_disabled_by_env() {
-  static const bool disabled = [] {
-    const char* v = std::getenv("VIDATTN_DISABLE_SM90");
-    return v != nullptr && std::strcmp(v, "1") == 0;
-  }();
-  return disabled;
-}
-
-bool device_is_sm90(int device) {
-  int major = 0, minor = 0;
-  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
-             "cudaDeviceGetAttribute (compute capability)");
-  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
-             "cudaDeviceGetAttribute (compute capability)");
-  return major == 9 && minor == 0;
-}
-
 // Whether the dense forward may take the sm_90a kernels (they also need sm_90a code in this
 // build; the launcher answers that).
 bool sm90_dense_fits(const AttentionProblem& p, const AttentionParams& kp, const TensorView& q,
                      const TensorView& k, const TensorView& v, const TensorView& out) {
 #ifdef VIDATTN_WITH_CUTLASS
-  if (sm90_disabled_by_env() || !device_is_sm90(p.device.index)) return false;
+  if (!cuda_sm90::sm90_path_enabled(p.device.index)) return false;
   // Empty sides have nothing to describe to TMA; the portable path handles them.
   if (kp.rows_q <= 0 || kp.rows_k <= 0 || kp.seqlen_q <= 0 || kp.seqlen_k <= 0) return false;
   if (kp.rows_q > INT32_MAX || kp.rows_k > INT32_MAX) return false;
   if (!(kp.scale > 0.f)) return false;  // the softmax folds the scale into a positive max
-  return tma_compatible(q) && tma_compatible(k) && tma_compatible(v) && tma_compatible(out);
+  return cuda_sm90::tma_compatible(q) && cuda_sm90::tma_compatible(k) &&
+         cuda_sm90::tma_compatible(v) && cuda_sm90::tma_compatible(out);
 #else
   (void)p, (void)kp, (void)q, (void)k, (void)v, (void)out;
   return false;

@@ -18,6 +18,7 @@ struct FwdKernelParams {
   // Extents of the TMA views (rows, heads, batch): batched (S, H, B); varlen (T, H, 1).
   int q_rows = 0, kv_rows = 0, tma_batch = 0;
   TileScheduler sched;
+  bool pingpong = true;  // two-warpgroup streams take turns issuing their products
 };
 
 }  // namespace vidattn::cuda_sm90

@@ -7,8 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "../../core/backends.h"
@@ -48,6 +48,15 @@ typename Traits::GmemTensor gmem_view(const void* ptr, std::int64_t rows, int he
                  static_cast<int32_t>(batch)),
       make_stride(row, _1{}, head, bat));
   return make_tensor(make_gmem_ptr(static_cast<typename Traits::Element const*>(ptr)), layout);
+}
+
+// VIDATTN_SM90_PINGPONG=0 turns the warpgroup ping-pong off (for measuring it; read once).
+inline bool pingpong_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("VIDATTN_SM90_PINGPONG");
+    return !(v != nullptr && v[0] == '0');
+  }();
+  return on;
 }
 
 inline int sm_count() {
@@ -96,6 +105,7 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.sched.heads = a.heads_q;
   p.sched.batch = a.batch;
   p.sched.reverse_m = a.causal;
+  p.pingpong = pingpong_enabled();
   const int tiles = p.sched.total_tiles();
   const int grid = std::min(tiles, sm_count());
   cuda_sm80::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -127,6 +127,31 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
   }
 }
 
+// Ping-pong between the two warpgroups of a stream: each issues its products only in its
+// turn (named barrier 8 + its index) and then hands the turn over, so that one warpgroup's
+// softmax runs while the other's products keep the tensor cores busy. Both warpgroups issue
+// the same number of product batches per tile (n + 1), so the turns stay paired across the
+// persistent tiles; the second warpgroup grants the first turn once, at start.
+struct PingPong {
+  bool on;
+  int self_bar, other_bar;
+  __device__ __forceinline__ PingPong(bool enabled, int wg_in_stream, int stream) {
+    on = enabled;
+    self_bar = 8 + 2 * stream + wg_in_stream;
+    other_bar = 8 + 2 * stream + (wg_in_stream ^ 1);
+    if (on && wg_in_stream == 1) arrive(other_bar);
+  }
+  static __device__ __forceinline__ void arrive(int bar) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(bar) : "memory");
+  }
+  __device__ __forceinline__ void wait_turn() const {
+    if (on) asm volatile("bar.sync %0, 256;\n" ::"r"(self_bar) : "memory");
+  }
+  __device__ __forceinline__ void pass_turn() const {
+    if (on) arrive(other_bar);
+  }
+};
+
 // tid: the thread's index among the stream's consumer threads.
 template <class Traits, class Visit>
 __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
@@ -160,6 +185,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       tOrP32(i) = pack_pair<Element>(tSrS(2 * i), tSrS(2 * i + 1));
   };
 
+  const PingPong turns(Traits::kWGPerStream == 2 && p.pingpong, tid / 128, stream);
   RingState<Traits::kStages> ring;
   uint32_t q_phase = 0;
   const int total = p.sched.total_tiles();
@@ -183,7 +209,9 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     // Block 0: S, softmax; its P V product is issued together with block 1's S.
     KeyBlock kb = visit.block(0);
     Barrier::wait(&st.k_full[ring.stage], ring.phase);
+    turns.wait_turn();
     warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, ring.stage), tSrS, true);
+    turns.pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
     Barrier::arrive(&st.k_empty[ring.stage]);
@@ -197,10 +225,12 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     for (int i = 1; i < n; ++i) {
       kb = visit.block(i);
       Barrier::wait(&st.k_full[ring.stage], ring.phase);
-      warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, ring.stage), tSrS, true);
       Barrier::wait(&st.v_full[prev.stage], prev.phase);
+      turns.wait_turn();
+      warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, ring.stage), tSrS, true);
       warpgroup_fence_operand(tOrP);
       warpgroup_gemm(mma_pv, tOrP, tOrV(_, _, _, prev.stage), tOrO, i == 1);
+      turns.pass_turn();
       warpgroup_wait<1>();  // S of block i is ready; P V of block i - 1 still runs
       warpgroup_fence_operand(tSrS);
       Barrier::arrive(&st.k_empty[ring.stage]);
@@ -217,8 +247,10 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       ring.advance();
     }
     Barrier::wait(&st.v_full[prev.stage], prev.phase);
+    turns.wait_turn();
     warpgroup_fence_operand(tOrP);
     warpgroup_gemm(mma_pv, tOrP, tOrV(_, _, _, prev.stage), tOrO, n == 1);
+    turns.pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     Barrier::arrive(&st.v_empty[prev.stage]);
