@@ -5,7 +5,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(pwd)/sm90-run}
-STAGES=${STAGES:-"build sass pytest sanitizer bench"}
+STAGES=${STAGES:-"build sass pytest sanitizer bench ab"}
 PYTEST_FILES=${PYTEST_FILES:-"tests/python/test_attention_sm90.py tests/python/test_attention_cuda.py"}
 mkdir -p "$OUT"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -48,4 +48,9 @@ fi
 if has bench; then
   timeout "${BENCH_TIMEOUT:-120}" python3 tools/bench_dense_cuda.py "$OUT/bench_dense_cuda.json" >"$OUT/bench.log" 2>&1
   log "bench rc=$?"; tail -12 "$OUT/bench.log"
+fi
+if has ab; then  # the same forward rows with the warpgroup ping-pong off
+  BENCH_OURS_ONLY=1 VIDATTN_SM90_PINGPONG=0 timeout 60 python3 tools/bench_dense_cuda.py \
+    "$OUT/bench_pingpong_off.json" >"$OUT/bench_pingpong_off.log" 2>&1
+  log "bench (ping-pong off) rc=$?"; grep -E '^ +\[' "$OUT/bench_pingpong_off.log"
 fi

@@ -104,7 +104,7 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.sched.num_m_blocks = static_cast<int>((a.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
   p.sched.heads = a.heads_q;
   p.sched.batch = a.batch;
-  p.sched.reverse_m = a.causal;
+  p.sched.longest_first = a.causal;
   p.pingpong = pingpong_enabled();
   const int tiles = p.sched.total_tiles();
   const int grid = std::min(tiles, sm_count());

@@ -42,10 +42,14 @@ struct StreamTile {
 };
 
 template <class Traits>
-__device__ __forceinline__ StreamTile stream_tile(const FwdKernelParams<Traits>& p, int tile,
+__device__ __forceinline__ StreamTile stream_tile(const FwdKernelParams<Traits>& p, int slot,
                                                   int stream) {
-  const TileCoord c = p.sched.decode(tile);
+  const TileCoord c = p.sched.decode(slot, gridDim.x);
   StreamTile t;
+  if (!c.valid) {
+    t.active = false;
+    return t;
+  }
   t.seq = cuda_sm80::sequence_of(p.attn, c.batch);
   t.q0 = static_cast<std::int64_t>(c.m_block) * Traits::kBlockM + stream * Traits::kBlockMStream;
   t.head = c.head;
@@ -87,9 +91,9 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
   auto cta_v = p.tma_v.get_slice(_0{});
   RingState<Traits::kStages> ring;
   uint32_t q_phase = 0;
-  const int total = p.sched.total_tiles();
-  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-    const StreamTile t = stream_tile(p, tile, stream);
+  const int rounds_end = p.sched.rounds_end(gridDim.x);
+  for (int slot = blockIdx.x; slot < rounds_end; slot += gridDim.x) {
+    const StreamTile t = stream_tile(p, slot, stream);
     if (!t.active) continue;
     // Varlen: sequences are row ranges of one [T, H, D] view (batch extent 1).
     const int tb = p.attn.varlen ? 0 : t.batch;
@@ -127,19 +131,22 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
   }
 }
 
-// Ping-pong between the two warpgroups of a stream: each issues its products only in its
-// turn (named barrier 8 + its index) and then hands the turn over, so that one warpgroup's
-// softmax runs while the other's products keep the tensor cores busy. Both warpgroups issue
-// the same number of product batches per tile (n + 1), so the turns stay paired across the
-// persistent tiles; the second warpgroup grants the first turn once, at start.
+// Ping-pong between the warpgroups of a stream: each issues its products only in its turn
+// (named barrier 8 + its index) and then hands the turn to the next one, so that one
+// warpgroup's softmax runs while another's products keep the tensor cores busy. All
+// warpgroups of a stream issue the same number of product batches per tile (n + 1), so the
+// turns stay in step across the persistent tiles; the last warpgroup grants the first turn
+// once, at start. Each barrier has 256 participants: its owner (sync) and its predecessor
+// (arrive).
 struct PingPong {
   bool on;
-  int self_bar, other_bar;
-  __device__ __forceinline__ PingPong(bool enabled, int wg_in_stream, int stream) {
-    on = enabled;
-    self_bar = 8 + 2 * stream + wg_in_stream;
-    other_bar = 8 + 2 * stream + (wg_in_stream ^ 1);
-    if (on && wg_in_stream == 1) arrive(other_bar);
+  int self_bar, next_bar;
+  __device__ __forceinline__ PingPong(bool enabled, int wg, int wgs, int stream) {
+    on = enabled && wgs > 1;
+    const int base = 8 + stream * wgs;
+    self_bar = base + wg;
+    next_bar = base + (wg + 1 == wgs ? 0 : wg + 1);
+    if (on && wg == wgs - 1) arrive(base);
   }
   static __device__ __forceinline__ void arrive(int bar) {
     asm volatile("bar.arrive %0, 256;\n" ::"r"(bar) : "memory");
@@ -148,7 +155,7 @@ struct PingPong {
     if (on) asm volatile("bar.sync %0, 256;\n" ::"r"(self_bar) : "memory");
   }
   __device__ __forceinline__ void pass_turn() const {
-    if (on) arrive(other_bar);
+    if (on) arrive(next_bar);
   }
 };
 
@@ -185,12 +192,12 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       tOrP32(i) = pack_pair<Element>(tSrS(2 * i), tSrS(2 * i + 1));
   };
 
-  const PingPong turns(Traits::kWGPerStream == 2 && p.pingpong, tid / 128, stream);
+  const PingPong turns(p.pingpong, tid / 128, Traits::kWGPerStream, stream);
   RingState<Traits::kStages> ring;
   uint32_t q_phase = 0;
-  const int total = p.sched.total_tiles();
-  for (int tile = blockIdx.x; tile < total; tile += gridDim.x) {
-    const StreamTile t = stream_tile(p, tile, stream);
+  const int rounds_end = p.sched.rounds_end(gridDim.x);
+  for (int slot = blockIdx.x; slot < rounds_end; slot += gridDim.x) {
+    const StreamTile t = stream_tile(p, slot, stream);
     if (!t.active) continue;
     const Visit visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
     const int n = visit.num_blocks();
