@@ -49,8 +49,8 @@ if has bench; then
   timeout "${BENCH_TIMEOUT:-120}" python3 tools/bench_dense_cuda.py "$OUT/bench_dense_cuda.json" >"$OUT/bench.log" 2>&1
   log "bench rc=$?"; tail -12 "$OUT/bench.log"
 fi
-if has ab; then  # the same forward rows with the warpgroup ping-pong off
-  BENCH_OURS_ONLY=1 VIDATTN_SM90_PINGPONG=0 timeout 60 python3 tools/bench_dense_cuda.py \
-    "$OUT/bench_pingpong_off.json" >"$OUT/bench_pingpong_off.log" 2>&1
-  log "bench (ping-pong off) rc=$?"; grep -E '^ +\[' "$OUT/bench_pingpong_off.log"
+if has ab; then  # the same forward rows with an A/B switch ($AB_ENV, e.g. VIDATTN_SM90_PINGPONG=0)
+  env BENCH_OURS_ONLY=1 ${AB_ENV:-VIDATTN_SM90_PINGPONG=0} timeout 60 python3 tools/bench_dense_cuda.py \
+    "$OUT/bench_ab.json" >"$OUT/bench_ab.log" 2>&1
+  log "bench (${AB_ENV:-VIDATTN_SM90_PINGPONG=0}) rc=$?"; grep -E '^ +\[' "$OUT/bench_ab.log"
 fi

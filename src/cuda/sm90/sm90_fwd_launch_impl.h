@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <string_view>
 #include <type_traits>
 
 #include "../../core/backends.h"
@@ -24,9 +25,18 @@ template <class T>
 using CutlassElement =
     std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cutlass::bfloat16_t, cutlass::half_t>;
 
-// Dense: one 128-row stream of two warpgroups, 128-key blocks, two stages.
+// Dense: one 128-row stream of two warpgroups, 128-key blocks, two stages. (176-key blocks at
+// D = 128 spilled 300 bytes.)
 template <class T, int D>
 using DenseTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2>;
+// D = 64 with 192-key blocks: the products are half as long as at D = 128 for the same
+// softmax work, so longer blocks amortise the per-block waits, row reductions and rescales.
+// VIDATTN_SM90_HD64_BLOCKN=128 takes DenseTraits instead (A/B runs; read once).
+template <class T>
+using Dense64LongTraits = FwdTraits<CutlassElement<T>, 64, 192, 2, 1, 2>;
+// Block-sparse with 128 / 256-token tiles: 128-key blocks (a 256 tile is two).
+template <class T, int D>
+using Sparse128Traits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2>;
 // Block-sparse with 64-token tiles: two 64-row streams (one query tile each), 64-key blocks.
 // 128 / 256-token tiles: the dense shape, a 256 tile visited as two 128-key blocks.
 template <class T, int D>
@@ -55,6 +65,14 @@ inline bool pingpong_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("VIDATTN_SM90_PINGPONG");
     return !(v != nullptr && v[0] == '0');
+  }();
+  return on;
+}
+
+inline bool hd64_long_blocks() {
+  static const bool on = [] {
+    const char* v = std::getenv("VIDATTN_SM90_HD64_BLOCKN");
+    return !(v != nullptr && std::string_view(v) == "128");
   }();
   return on;
 }
@@ -121,6 +139,13 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
 
 template <class T, int D>
 bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
+  if constexpr (D == 64) {
+    if (launch_detail::hd64_long_blocks()) {
+      using Long = launch_detail::Dense64LongTraits<T>;
+      return launch_detail::launch<Long, DenseKeyRange<Long::kBlockN>>(p, SparseKeyListArgs{},
+                                                                       stream);
+    }
+  }
   using Traits = launch_detail::DenseTraits<T, D>;
   return launch_detail::launch<Traits, DenseKeyRange<Traits::kBlockN>>(p, SparseKeyListArgs{},
                                                                        stream);
@@ -133,7 +158,7 @@ bool launch_sparse_forward(const AttentionParams& p, const SparseKeyListArgs& s,
     using Traits = launch_detail::Sparse64Traits<T, D>;
     return launch_detail::launch<Traits, SparseKeyList<Traits::kBlockN>>(p, s, stream);
   }
-  using Traits = launch_detail::DenseTraits<T, D>;
+  using Traits = launch_detail::Sparse128Traits<T, D>;
   return launch_detail::launch<Traits, SparseKeyList<Traits::kBlockN>>(p, s, stream);
 }
 

@@ -33,11 +33,11 @@ struct FwdTraits {
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   // setmaxnreg: the producer keeps a few, the consumers take the rest (64K per SM).
   static constexpr int kProducerRegs = 24;
-  // ptxas allocates for the register cap at entry (65536 / kThreads: 168 at 384 threads), not
-  // for the raised budget: a 3-consumer shape (512 threads, cap 128) spilled 244 bytes at
-  // D = 64, so the shapes in use have two consumer warpgroups.
+  // Without setmaxnreg the same consumer code spilled 504 bytes at the 168-register cap of
+  // 9-12 warps; with it, none. A 3-consumer shape (512 threads, 160 each) spilled 244 bytes
+  // at D = 64: two consumer warpgroups (docs/perf-notes.md, Hopper v3).
   static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
-  static_assert(kHeadDim % 64 == 0 && kBlockN % 64 == 0);
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0);
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <= 65536);
 
   // K-major (head dim contiguous) tiles with the 128-byte swizzle atom (8 rows x 64 elements).
