@@ -30,8 +30,9 @@ using CutlassElement =
 template <class T, int D>
 using DenseTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2>;
 // D = 64 with 192-key blocks: the products are half as long as at D = 128 for the same
-// softmax work, so longer blocks amortise the per-block waits, row reductions and rescales.
-// VIDATTN_SM90_HD64_BLOCKN=128 takes DenseTraits instead (A/B runs; read once).
+// softmax work, so longer blocks should amortise the per-block waits, row reductions and
+// rescales. Passes every test but spills 40 bytes and is not yet timed, so it is opt-in:
+// VIDATTN_SM90_HD64_BLOCKN=192 (read once); the default is DenseTraits.
 template <class T>
 using Dense64LongTraits = FwdTraits<CutlassElement<T>, 64, 192, 2, 1, 2>;
 // Block-sparse with 128 / 256-token tiles: 128-key blocks (a 256 tile is two).
@@ -72,7 +73,7 @@ inline bool pingpong_enabled() {
 inline bool hd64_long_blocks() {
   static const bool on = [] {
     const char* v = std::getenv("VIDATTN_SM90_HD64_BLOCKN");
-    return !(v != nullptr && std::string_view(v) == "128");
+    return v != nullptr && std::string_view(v) == "192";
   }();
   return on;
 }
