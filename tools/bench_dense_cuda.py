@@ -1,6 +1,7 @@
 """Dense attention forward / backward TFLOP/s of vidattn against PyTorch SDPA (cuDNN and
 flash backends) at a few shapes; median of triton.testing.do_bench. Writes JSON to argv[1]."""
 import json
+import os
 import sys
 
 import torch
@@ -10,11 +11,21 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import vidattn
 
-SHAPES = [(1, 32768, 12, 128, False), (2, 16384, 32, 64, False), (1, 16384, 12, 128, True)]
+SHAPES = [(1, 32768, 12, 128, False), (2, 16384, 32, 64, False), (1, 16384, 12, 128, True),
+          (1, 39936, 12, 128, False)]
+# Block-sparse rows (sm_90a standalone launcher): B, S, H, D, tile volume, sparsity. Random
+# ascending key-tile lists of topk = ceil((1 - s) * tiles) per query tile, full tiles.
+SPARSE = [(1, 39936, 12, 128, 64, 0.875), (1, 39936, 12, 128, 64, 0.9),
+          (1, 92160, 40, 128, 64, 0.9)]
 
 
 def tflops(flops, ms):
     return flops / (ms * 1e-3) / 1e12
+
+
+# BENCH_OURS_ONLY=1: only vidattn's forward (A/B runs of a kernel switch such as
+# VIDATTN_SM90_PINGPONG=0 in a second process).
+OURS_ONLY = os.environ.get("BENCH_OURS_ONLY") == "1"
 
 
 def main(path):
@@ -35,6 +46,10 @@ def main(path):
         def ours_bwd():
             return torch.autograd.grad(out, (qg, kg, vg), go, retain_graph=True)
         row["vidattn_fwd"] = tflops(fwd_flops, triton.testing.do_bench(ours_fwd, return_mode="median"))
+        if OURS_ONLY:
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            continue
         row["vidattn_bwd"] = tflops(2.5 * fwd_flops, triton.testing.do_bench(ours_bwd, return_mode="median"))
         qt, kt, vt, got = (t.transpose(1, 2) for t in (q, k, v, go))
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
@@ -51,13 +66,40 @@ def main(path):
                 row[f"{name}_error"] = str(e)[:200]
         rows.append(row)
         print(json.dumps(row), flush=True)
+    sparse_rows = []
+    if hasattr(torch.ops.vidattn, "_block_sparse_forward_sm90") and \
+            torch.cuda.get_device_capability() == (9, 0):
+        for B, S, H, D, tile, sparsity in SPARSE:
+            tiles = S // tile
+            topk = max(1, min(tiles, int(-(-(1 - sparsity) * tiles // 1))))
+            q, k, v = (torch.randn((B, S, H, D), generator=g, device="cuda", dtype=torch.bfloat16)
+                       for _ in range(3))
+            scores = torch.rand((B, H, tiles, tiles), generator=g, device="cuda")
+            index = scores.topk(topk, dim=-1).indices.sort(dim=-1).values.to(torch.int32)
+            count = torch.full((B, H, tiles), topk, dtype=torch.int32, device="cuda")
+            sizes = torch.full((tiles,), tile, dtype=torch.int32, device="cuda")
+            op = torch.ops.vidattn._block_sparse_forward_sm90
+            flops = 4 * B * H * S * topk * tile * D
+            row = {"shape": [B, S, H, D], "tile": tile, "sparsity": sparsity, "topk": topk}
+            try:
+                row["sparse_fwd"] = tflops(flops, triton.testing.do_bench(
+                    lambda: op(q, k, v, index, count, sizes, tile), return_mode="median"))
+            except Exception as e:
+                row["sparse_error"] = str(e)[:200]
+            sparse_rows.append(row)
+            print(json.dumps(row), flush=True)
+            del q, k, v, scores, index
     with open(path, "w") as f:
-        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f, indent=1)
+        json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
+                   "sparse_rows": sparse_rows}, f, indent=1)
     print(f"{'shape':>24} {'causal':>6} | {'ours f':>7} {'cudnn f':>7} {'flash f':>7} | {'ours b':>7} {'cudnn b':>7} {'flash b':>7}")
     for r in rows:
         print(f"{str(r['shape']):>24} {str(r['causal']):>6} | " + " ".join(
             f"{r.get(k, float('nan')):7.1f}" for k in ("vidattn_fwd", "cudnn_fwd", "flash_fwd")) + " | " + " ".join(
             f"{r.get(k, float('nan')):7.1f}" for k in ("vidattn_bwd", "cudnn_bwd", "flash_bwd")))
+    for r in sparse_rows:
+        print(f"sparse {str(r['shape']):>24} tile {r['tile']} sparsity {r['sparsity']}: "
+              f"{r.get('sparse_fwd', float('nan')):7.1f} TFLOP/s (effective)")
 
 
 if __name__ == "__main__":

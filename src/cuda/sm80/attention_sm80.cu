@@ -12,6 +12,8 @@
 
 #include "../../core/backends.h"
 #include "../../core/check.h"
+#include "../sm90/sm90_dispatch.h"
+#include "../sm90/sm90_fwd_launch.h"
 #include "host_common.h"
 #include "launch.h"
 #include "params.h"
@@ -94,6 +96,24 @@ AttentionParams base_params(const AttentionProblem& p, const TensorView& q, cons
   return kp;
 }
 
+// Whether the dense forward may take the sm_90a kernels (they also need sm_90a code in this
+// build; the launcher answers that).
+bool sm90_dense_fits(const AttentionProblem& p, const AttentionParams& kp, const TensorView& q,
+                     const TensorView& k, const TensorView& v, const TensorView& out) {
+#ifdef VIDATTN_WITH_CUTLASS
+  if (!cuda_sm90::sm90_path_enabled(p.device.index)) return false;
+  // Empty sides have nothing to describe to TMA; the portable path handles them.
+  if (kp.rows_q <= 0 || kp.rows_k <= 0 || kp.seqlen_q <= 0 || kp.seqlen_k <= 0) return false;
+  if (kp.rows_q > INT32_MAX || kp.rows_k > INT32_MAX) return false;
+  if (!(kp.scale > 0.f)) return false;  // the softmax folds the scale into a positive max
+  return cuda_sm90::tma_compatible(q) && cuda_sm90::tma_compatible(k) &&
+         cuda_sm90::tma_compatible(v) && cuda_sm90::tma_compatible(out);
+#else
+  (void)p, (void)kp, (void)q, (void)k, (void)v, (void)out;
+  return false;
+#endif
+}
+
 template <class Launch>
 void dispatch(const AttentionProblem& p, Launch&& launch) {
   cuda_sm80::dispatch_dtype_head_dim(p.dtype == DType::kBFloat16, p.head_dim,
@@ -112,6 +132,15 @@ void cuda_attention_forward(const AttentionProblem& p, const TensorView& q, cons
   AttentionParams kp = base_params(p, q, k, v, out, lse, o);
   kp.out_aligned4 = rows_aligned(out, 4);
   const auto stream = static_cast<cudaStream_t>(o.stream);
+#ifdef VIDATTN_WITH_CUTLASS
+  if (sm90_dense_fits(p, kp, q, k, v, out)) {
+    bool launched = false;
+    dispatch(p, [&](auto t, auto d) {
+      launched = cuda_sm90::launch_dense_forward<decltype(t), decltype(d)::value>(kp, stream);
+    });
+    if (launched) return;
+  }
+#endif
   dispatch(p, [&](auto t, auto d) {
     cuda_sm80::launch_forward<decltype(t), decltype(d)::value>(kp, stream);
   });

@@ -1,0 +1,64 @@
+// The sm_90a attention forward kernel: barrier setup and the split into one producer
+// warpgroup (register budget lowered with setmaxnreg) and the consumer warpgroups (raised).
+// Device code is emitted only for sm_90a; the sm_80 pass of the same .cu compiles an empty
+// body that the launcher never runs (it checks the kernel's binary version first).
+#pragma once
+
+#include <cutlass/arch/reg_reconfig.h>
+
+#include "sm90_fwd_mainloop.h"
+
+namespace vidattn::cuda_sm90 {
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define VIDATTN_SM90_DEVICE_CODE 1
+#endif
+
+template <class Traits, class Visit>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    sm90_attention_fwd_kernel(const __grid_constant__ FwdKernelParams<Traits> p) {
+#ifdef VIDATTN_SM90_DEVICE_CODE
+  extern __shared__ char smem_raw[];
+  const auto base = (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t(1023);
+  auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(base);
+  constexpr int kConsumersPerStream = 128 * Traits::kWGPerStream;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < Traits::kStreams; ++s) {
+      auto& st = shared.stream[s];
+      Barrier::init(&st.q_full, 1);
+      Barrier::init(&st.q_empty, kConsumersPerStream);
+      for (int i = 0; i < Traits::kStages; ++i) {
+        Barrier::init(&st.k_full[i], 1);
+        Barrier::init(&st.k_empty[i], kConsumersPerStream);
+        Barrier::init(&st.v_full[i], 1);
+        Barrier::init(&st.v_empty[i], kConsumersPerStream);
+      }
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
+    const int warp = threadIdx.x / 32;
+    if (warp < Traits::kStreams && cute::elect_one_sync()) {
+      if (warp == 0) {
+        cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+        cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+        cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+      }
+      producer_loop<Traits, Visit>(p, shared.stream[warp], warp);
+    }
+  } else {
+    cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
+    const int consumer = threadIdx.x - 128;
+    const int stream = consumer / kConsumersPerStream;
+    consumer_loop<Traits, Visit>(p, shared.stream[stream], stream,
+                                 consumer % kConsumersPerStream);
+  }
+#endif
+}
+
+}  // namespace vidattn::cuda_sm90

@@ -1,0 +1,24 @@
+// Device-side parameters of the sm_90a forward kernel: the problem, the TMA descriptors
+// (passed by value as a __grid_constant__ kernel parameter) and the tile schedule.
+#pragma once
+
+#include "sm90_fwd_params.h"
+#include "sm90_fwd_traits.h"
+#include "sm90_tile_scheduler.h"
+
+namespace vidattn::cuda_sm90 {
+
+template <class Traits>
+struct FwdKernelParams {
+  AttentionParams attn;
+  SparseKeyListArgs sparse;
+  typename Traits::TmaQ tma_q;
+  typename Traits::TmaKV tma_k;
+  typename Traits::TmaKV tma_v;
+  // Extents of the TMA views (rows, heads, batch): batched (S, H, B); varlen (T, H, 1).
+  int q_rows = 0, kv_rows = 0, tma_batch = 0;
+  TileScheduler sched;
+  bool pingpong = true;  // two-warpgroup streams take turns issuing their products
+};
+
+}  // namespace vidattn::cuda_sm90

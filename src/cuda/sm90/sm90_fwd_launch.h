@@ -1,0 +1,30 @@
+// Launchers of the sm_90a (Hopper) attention forward. One explicit instantiation per
+// (dtype, head dim, variant) lives in its own generated .cu (tools/gen_sm90_instances.py), so
+// the build runs in parallel and a subset builds alone. This header is CuTe-free: the host
+// dispatch (src/cuda/sm80/attention_sm80.cu) includes it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "sm90_fwd_params.h"
+
+namespace vidattn::cuda_sm90 {
+
+// T is __nv_bfloat16 or __half, D is 64 or 128. Both return false, launching nothing, when
+// this build holds no sm_90a code for the kernel (CUTLASS missing, or 90a not among the
+// targets); the caller then takes the portable path. Asynchronous on `stream`; throw
+// std::runtime_error when a launch fails.
+//
+// Dense (batched or varlen, masks, causal, GQA). Preconditions the caller checks
+// (sm90_dense_fits in attention_sm80.cu): q, k, v, out rows 16-byte aligned, every stride a
+// multiple of 8 elements, Sq > 0, Sk > 0, scale > 0.
+template <class T, int D>
+bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream);
+
+// Block-sparse over key tiles (batched, no masks, no causal; GQA allowed). Same alignment
+// preconditions; q and k lengths are multiples of s.tile_volume.
+template <class T, int D>
+bool launch_sparse_forward(const AttentionParams& p, const SparseKeyListArgs& s,
+                           cudaStream_t stream);
+
+}  // namespace vidattn::cuda_sm90

@@ -1,0 +1,268 @@
+// Mainloop of the sm_90a forward, warp-specialised:
+//  * producer: one thread per stream issues the TMA loads of Q and of each visited K / V
+//    block into a kStages-deep ring; full barriers count the bytes landed (expect_tx), empty
+//    barriers the consumer threads that are done reading a slot.
+//  * consumers: each warpgroup owns 64 query rows. Per key block: S = Q K^T (wgmma SS), mask
+//    (only blocks that need it), online softmax, O += P V (wgmma RS, P straight from
+//    registers). The softmax of block i overlaps the P V product of block i - 1: the QK^T
+//    product of block i and the PV product of block i - 1 are issued back to back, the
+//    softmax waits only for the first (wgmma.wait_group 1).
+// The key-visit policy (DenseKeyRange / SparseKeyList, sm90_fwd_mask.h) is the only difference
+// between dense and block-sparse.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cutlass/arch/barrier.h>
+
+#include "sm90_fwd_epilogue.h"
+#include "sm90_fwd_kernel_params.h"
+#include "sm90_fwd_mask.h"
+#include "sm90_fwd_softmax.h"
+
+namespace vidattn::cuda_sm90 {
+
+using Barrier = cutlass::arch::ClusterTransactionBarrier;
+
+// Position in a ring of kStages slots; the phase bit flips on every wrap.
+template <int kStages>
+struct RingState {
+  int stage = 0;
+  uint32_t phase = 0;
+  __device__ __forceinline__ void advance() {
+    if (++stage == kStages) stage = 0, phase ^= 1u;
+  }
+};
+
+// The sequence, the stream's first query row and whether the stream has rows in this tile.
+struct StreamTile {
+  Sequence seq;
+  std::int64_t q0;
+  int head, batch;
+  bool active;
+};
+
+template <class Traits>
+__device__ __forceinline__ StreamTile stream_tile(const FwdKernelParams<Traits>& p, int slot,
+                                                  int stream) {
+  const TileCoord c = p.sched.decode(slot, gridDim.x);
+  StreamTile t;
+  if (!c.valid) {
+    t.active = false;
+    return t;
+  }
+  t.seq = cuda_sm80::sequence_of(p.attn, c.batch);
+  t.q0 = static_cast<std::int64_t>(c.m_block) * Traits::kBlockM + stream * Traits::kBlockMStream;
+  t.head = c.head;
+  t.batch = c.batch;
+  t.active = t.q0 < t.seq.len_q;
+  return t;
+}
+
+// wgmma helper: C (+)= A B over the k-blocks of the operands, one commit group.
+template <class Mma, class TA, class TB, class TC>
+__device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA const& a, TB const& b, TC& c,
+                                               bool zero_init) {
+  using namespace cute;
+  warpgroup_fence_operand(c);
+  warpgroup_arrive();
+  mma.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
+  CUTE_UNROLL
+  for (int k = 0; k < size<2>(a); ++k) {
+    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
+    mma.accumulate_ = GMMA::ScaleOut::One;
+  }
+  warpgroup_commit_batch();
+  warpgroup_fence_operand(c);
+}
+
+template <class Traits, class Visit>
+__device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
+                                              typename Traits::StreamStorage& st, int stream) {
+  using namespace cute;
+  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockMStream, BN = Traits::kBlockN;
+  Tensor sQ = make_tensor(make_smem_ptr(st.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(st.k.data()), typename Traits::SmemLayoutK{});
+  Tensor sV = make_tensor(make_smem_ptr(st.v.data()), typename Traits::SmemLayoutV{});
+  Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.q_rows, Int<D>{}, p.attn.heads_q, p.tma_batch));
+  Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.kv_rows, Int<D>{}, p.attn.heads_kv, p.tma_batch));
+  Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.kv_rows, Int<D>{}, p.attn.heads_kv, p.tma_batch));
+  auto cta_q = p.tma_q.get_slice(_0{});
+  auto cta_k = p.tma_k.get_slice(_0{});
+  auto cta_v = p.tma_v.get_slice(_0{});
+  RingState<Traits::kStages> ring;
+  uint32_t q_phase = 0;
+  const int rounds_end = p.sched.rounds_end(gridDim.x);
+  for (int slot = blockIdx.x; slot < rounds_end; slot += gridDim.x) {
+    const StreamTile t = stream_tile(p, slot, stream);
+    if (!t.active) continue;
+    // Varlen: sequences are row ranges of one [T, H, D] view (batch extent 1).
+    const int tb = p.attn.varlen ? 0 : t.batch;
+    const int q_base = static_cast<int>(p.attn.varlen ? t.seq.first_q : 0);
+    const int k_base = static_cast<int>(p.attn.varlen ? t.seq.first_k : 0);
+    const int hk = t.head / p.attn.group;
+    const Visit visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
+    const int n = visit.num_blocks();
+
+    Barrier::wait(&st.q_empty, q_phase ^ 1u);
+    Barrier::arrive_and_expect_tx(&st.q_full, Traits::kQBytes);
+    Tensor gQ = local_tile(domain_offset(make_coord(q_base + static_cast<int>(t.q0), _0{}),
+                                         mQ(_, _, t.head, tb)),
+                           Shape<Int<BM>, Int<D>>{}, make_coord(_0{}, _0{}));
+    copy(p.tma_q.with(st.q_full), cta_q.partition_S(gQ), cta_q.partition_D(sQ));
+    q_phase ^= 1u;
+
+    for (int i = 0; i < n; ++i) {
+      const KeyBlock kb = visit.block(i);
+      const auto k_coord = make_coord(k_base + static_cast<int>(kb.start), _0{});
+      Tensor gK = local_tile(domain_offset(k_coord, mK(_, _, hk, tb)), Shape<Int<BN>, Int<D>>{},
+                             make_coord(_0{}, _0{}));
+      Tensor gV = local_tile(domain_offset(k_coord, mV(_, _, hk, tb)), Shape<Int<BN>, Int<D>>{},
+                             make_coord(_0{}, _0{}));
+      Barrier::wait(&st.k_empty[ring.stage], ring.phase ^ 1u);
+      Barrier::arrive_and_expect_tx(&st.k_full[ring.stage], Traits::kKVBytes);
+      copy(p.tma_k.with(st.k_full[ring.stage]), cta_k.partition_S(gK),
+           cta_k.partition_D(sK(_, _, ring.stage)));
+      Barrier::wait(&st.v_empty[ring.stage], ring.phase ^ 1u);
+      Barrier::arrive_and_expect_tx(&st.v_full[ring.stage], Traits::kKVBytes);
+      copy(p.tma_v.with(st.v_full[ring.stage]), cta_v.partition_S(gV),
+           cta_v.partition_D(sV(_, _, ring.stage)));
+      ring.advance();
+    }
+  }
+}
+
+// Ping-pong between the warpgroups of a stream: each issues its products only in its turn
+// (named barrier 8 + its index) and then hands the turn to the next one, so that one
+// warpgroup's softmax runs while another's products keep the tensor cores busy. All
+// warpgroups of a stream issue the same number of product batches per tile (n + 1), so the
+// turns stay in step across the persistent tiles; the last warpgroup grants the first turn
+// once, at start. Each barrier has 256 participants: its owner (sync) and its predecessor
+// (arrive).
+struct PingPong {
+  bool on;
+  int self_bar, next_bar;
+  __device__ __forceinline__ PingPong(bool enabled, int wg, int wgs, int stream) {
+    on = enabled && wgs > 1;
+    const int base = 8 + stream * wgs;
+    self_bar = base + wg;
+    next_bar = base + (wg + 1 == wgs ? 0 : wg + 1);
+    if (on && wg == wgs - 1) arrive(base);
+  }
+  static __device__ __forceinline__ void arrive(int bar) {
+    asm volatile("bar.arrive %0, 256;\n" ::"r"(bar) : "memory");
+  }
+  __device__ __forceinline__ void wait_turn() const {
+    if (on) asm volatile("bar.sync %0, 256;\n" ::"r"(self_bar) : "memory");
+  }
+  __device__ __forceinline__ void pass_turn() const {
+    if (on) arrive(next_bar);
+  }
+};
+
+// tid: the thread's index among the stream's consumer threads.
+template <class Traits, class Visit>
+__device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
+                                              typename Traits::StreamStorage& st, int stream,
+                                              int tid) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockMStream, BN = Traits::kBlockN;
+  typename Traits::MmaQK mma_qk;
+  typename Traits::MmaPV mma_pv;
+  auto thr_qk = mma_qk.get_thread_slice(tid);
+  auto thr_pv = mma_pv.get_thread_slice(tid);
+  Tensor sQ = make_tensor(make_smem_ptr(st.q.data()), typename Traits::SmemLayoutQ{});
+  Tensor sK = make_tensor(make_smem_ptr(st.k.data()), typename Traits::SmemLayoutK{});
+  Tensor sVt = make_tensor(make_smem_ptr(st.v.data()), typename Traits::SmemLayoutVt{});
+  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // smem descriptors
+  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (mma, n, k, stage)
+  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (mma, d, keys, stage)
+  Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<BM>, Int<BN>>{});
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<BM>, Int<D>>{});
+  // P as the A operand of the RS product: value order of the accumulator, k-blocks of 16.
+  Tensor tOrP = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<BN / 16>>>{});
+  static_assert(decltype(size(tSrS))::value == decltype(size(tOrP))::value);
+  Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
+  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
+  Tensor tOrP32 = recast<uint32_t>(tOrP);
+
+  auto convert_p = [&]() {
+    CUTE_UNROLL
+    for (int i = 0; i < decltype(size(tOrP32))::value; ++i)
+      tOrP32(i) = pack_pair<Element>(tSrS(2 * i), tSrS(2 * i + 1));
+  };
+
+  const PingPong turns(p.pingpong, tid / 128, Traits::kWGPerStream, stream);
+  RingState<Traits::kStages> ring;
+  uint32_t q_phase = 0;
+  const int rounds_end = p.sched.rounds_end(gridDim.x);
+  for (int slot = blockIdx.x; slot < rounds_end; slot += gridDim.x) {
+    const StreamTile t = stream_tile(p, slot, stream);
+    if (!t.active) continue;
+    const Visit visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
+    const int n = visit.num_blocks();
+    OnlineSoftmax softmax(p.attn.scale);
+    float alpha[2];
+
+    Barrier::wait(&st.q_full, q_phase);
+    q_phase ^= 1u;
+    if (n == 0) {
+      Barrier::arrive(&st.q_empty);
+      clear(tOrO);
+      write_output<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax);
+      continue;
+    }
+
+    // Block 0: S, softmax; its P V product is issued together with block 1's S.
+    KeyBlock kb = visit.block(0);
+    Barrier::wait(&st.k_full[ring.stage], ring.phase);
+    turns.wait_turn();
+    warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, ring.stage), tSrS, true);
+    turns.pass_turn();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tSrS);
+    Barrier::arrive(&st.k_empty[ring.stage]);
+    if (n == 1) Barrier::arrive(&st.q_empty);
+    if (kb.needs_mask) apply_mask(tSrS, tScS, visit, kb, t.q0);
+    softmax.template update<true>(tSrS, alpha);
+    convert_p();
+    RingState<Traits::kStages> prev = ring;
+    ring.advance();
+
+    for (int i = 1; i < n; ++i) {
+      kb = visit.block(i);
+      Barrier::wait(&st.k_full[ring.stage], ring.phase);
+      Barrier::wait(&st.v_full[prev.stage], prev.phase);
+      turns.wait_turn();
+      warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, ring.stage), tSrS, true);
+      warpgroup_fence_operand(tOrP);
+      warpgroup_gemm(mma_pv, tOrP, tOrV(_, _, _, prev.stage), tOrO, i == 1);
+      turns.pass_turn();
+      warpgroup_wait<1>();  // S of block i is ready; P V of block i - 1 still runs
+      warpgroup_fence_operand(tSrS);
+      Barrier::arrive(&st.k_empty[ring.stage]);
+      if (i == n - 1) Barrier::arrive(&st.q_empty);
+      if (kb.needs_mask) apply_mask(tSrS, tScS, visit, kb, t.q0);
+      softmax.template update<false>(tSrS, alpha);
+      warpgroup_wait<0>();  // P V of block i - 1 done: O and P are free
+      warpgroup_fence_operand(tOrO);
+      warpgroup_fence_operand(tOrP);
+      Barrier::arrive(&st.v_empty[prev.stage]);
+      rescale_rows(tOrO, alpha);
+      convert_p();
+      prev = ring;
+      ring.advance();
+    }
+    Barrier::wait(&st.v_full[prev.stage], prev.phase);
+    turns.wait_turn();
+    warpgroup_fence_operand(tOrP);
+    warpgroup_gemm(mma_pv, tOrP, tOrV(_, _, _, prev.stage), tOrO, n == 1);
+    turns.pass_turn();
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tOrO);
+    Barrier::arrive(&st.v_empty[prev.stage]);
+    write_output<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax);
+  }
+}
+
+}  // namespace vidattn::cuda_sm90

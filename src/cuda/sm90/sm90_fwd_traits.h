@@ -1,0 +1,103 @@
+// Compile-time shape of the sm_90a forward: tile sizes, shared-memory layouts (128-byte
+// swizzle, the layout both TMA writes and wgmma reads), the two warpgroup MMAs and the TMA
+// descriptor types.
+//
+// A CTA holds one producer warpgroup and kStreams * kWGPerStream consumer warpgroups. A
+// "stream" is a Q tile of 64 * kWGPerStream rows with its own K/V pipeline: dense runs one
+// stream of two warpgroups (128 query rows share every K/V tile: half the L2 traffic of two
+// 64-row streams); 64-token block-sparse runs two single-warpgroup streams, because each
+// 64-row query tile has its own key-tile list.
+#pragma once
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cutlass/numeric_types.h>
+
+namespace vidattn::cuda_sm90 {
+
+template <class Element_, int kHeadDim_, int kBlockN_, int kWGPerStream_, int kStreams_,
+          int kStages_>
+struct FwdTraits {
+  using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWGPerStream = kWGPerStream_;
+  static constexpr int kStreams = kStreams_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kBlockMStream = 64 * kWGPerStream;
+  static constexpr int kBlockM = kBlockMStream * kStreams;  // query rows per CTA tile
+  static constexpr int kConsumerWGs = kStreams * kWGPerStream;
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+  // setmaxnreg: the producer keeps a few, the consumers take the rest (64K per SM).
+  static constexpr int kProducerRegs = 24;
+  // Without setmaxnreg the same consumer code spilled 504 bytes at the 168-register cap of
+  // 9-12 warps; with it, none. A 3-consumer shape (512 threads, 160 each) spilled 244 bytes
+  // at D = 64: two consumer warpgroups (docs/perf-notes.md, Hopper v3).
+  static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0);
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <= 65536);
+
+  // K-major (head dim contiguous) tiles with the 128-byte swizzle atom (8 rows x 64 elements).
+  using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutQ = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kBlockMStream>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutK = decltype(cute::tile_to_shape(
+      SmemAtom{},
+      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  using SmemLayoutV = SmemLayoutK;
+  // V seen as the B operand of O = P V: (head dim, keys), head dim contiguous (MN-major).
+  // A view of the same bytes, not a second copy.
+  using SmemLayoutVt = decltype(cute::composition(
+      SmemLayoutV{},
+      cute::make_ordered_layout(
+          cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
+          cute::Step<cute::_2, cute::_1, cute::_3>{})));
+
+  // S = Q K^T from shared memory (SS); O += P V with P from registers (RS). One 64-row atom
+  // per warpgroup of the stream.
+  using WGLayout = cute::Layout<cute::Shape<cute::Int<kWGPerStream>, cute::_1, cute::_1>>;
+  using MmaQK = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kBlockMStream>, cute::Int<kBlockN>,
+                                             cute::Int<kHeadDim>>>(),
+      WGLayout{}));
+  using MmaPV = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kBlockMStream>, cute::Int<kHeadDim>,
+                                             cute::Int<kBlockN>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      WGLayout{}));
+
+  // Global tensors as TMA sees them: (rows, head dim, heads, batch), 64-bit strides.
+  using GmemLayout =
+      cute::Layout<cute::Shape<int32_t, cute::Int<kHeadDim>, int32_t, int32_t>,
+                   cute::Stride<int64_t, cute::_1, int64_t, int64_t>>;
+  using GmemTensor = decltype(cute::make_tensor(
+      cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}));
+  using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
+                                            SmemLayoutQ{}));
+  using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
+                                             cute::take<0, 2>(SmemLayoutK{})));
+  static constexpr uint32_t kQBytes = kBlockMStream * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+
+  // One stream's tiles and barriers. 1024-byte alignment: the swizzle pattern repeats every
+  // 1024 bytes and TMA and wgmma must agree on where it starts.
+  struct StreamStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutQ>, 1024> q;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> v;
+    uint64_t q_full, q_empty;
+    uint64_t k_full[kStages], k_empty[kStages];
+    uint64_t v_full[kStages], v_empty[kStages];
+  };
+  struct SharedStorage {
+    StreamStorage stream[kStreams];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual alignment
+};
+
+}  // namespace vidattn::cuda_sm90

@@ -1,0 +1,55 @@
+// Persistent tile scheduler: a grid of at most one CTA per SM walks the (query block, head,
+// batch) tiles in rounds of gridDim.x slots; CTA c takes slot c of every round.
+//  * Non-causal (all tiles cost the same): query blocks vary fastest, so the CTAs running at
+//    any moment work on the same few heads and share their K and V in L2.
+//  * Causal (tile cost grows with the query block): tiles go longest first (query blocks
+//    descending, then head and batch), and every other round is walked backwards ("snake"),
+//    so each CTA's sum of tile lengths comes out within ~0.1% of the mean at 16K tokens. The
+//    plain round-robin order left the busiest CTA with 1.67x the mean work (a simulation of
+//    the 1 x 16K x 12-head case), which measured as 390 TFLOP/s against 593 non-causal.
+#pragma once
+
+#include <cstdint>
+
+namespace vidattn::cuda_sm90 {
+
+struct TileCoord {
+  int m_block, head, batch;
+  bool valid;
+};
+
+struct TileScheduler {
+  int num_m_blocks = 0;
+  int heads = 0;
+  int batch = 0;
+  bool longest_first = false;  // causal
+
+  __host__ __device__ int total_tiles() const { return num_m_blocks * heads * batch; }
+  // Slots run over whole rounds: [0, rounds_end) with rounds_end a multiple of the grid.
+  __host__ __device__ int rounds_end(int grid) const {
+    return (total_tiles() + grid - 1) / grid * grid;
+  }
+
+  __device__ __forceinline__ TileCoord decode(int slot, int grid) const {
+    TileCoord c;
+    int tile = slot;
+    int m, bh;
+    if (longest_first) {
+      const int round = slot / grid, lane = slot % grid;
+      tile = round * grid + ((round & 1) ? grid - 1 - lane : lane);
+      const int bhs = heads * batch;
+      m = num_m_blocks - 1 - tile / bhs;
+      bh = tile % bhs;
+    } else {
+      m = tile % num_m_blocks;
+      bh = tile / num_m_blocks;
+    }
+    c.valid = tile < total_tiles();
+    c.m_block = m;
+    c.head = bh % heads;
+    c.batch = bh / heads;
+    return c;
+  }
+};
+
+}  // namespace vidattn::cuda_sm90

@@ -1,0 +1,218 @@
+"""The sm_90a (Hopper) forward: on an sm_90 GPU the dense forward must take it (checked with
+the launch counter torch.ops.vidattn._sm90_forward_launches), match the float64 reference by
+the rule of targets.md, and VIDATTN_DISABLE_SM90=1 must keep the portable path. The shapes
+here add what the generic CUDA tests don't reach: many key blocks, more tiles than SMs (the
+persistent schedule), strided packed views. Skipped on other GPUs."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+
+import vidattn
+from test_attention_cuda import cu, gen, randn, run_and_check
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm_90 GPU")
+
+DEV = "cuda"
+
+
+def launches() -> int:
+    return torch.ops.vidattn._sm90_forward_launches()
+
+
+def takes_sm90(fn) -> None:
+    before = launches()
+    fn()
+    torch.cuda.synchronize()
+    assert launches() > before, "the sm90 forward did not run"
+
+
+CASES = [  # B, Sq, Sk, Hq, Hkv, D, dtype, causal
+    (2, 1500, 1500, 8, 8, 128, torch.bfloat16, False),
+    (2, 1500, 1500, 8, 2, 128, torch.bfloat16, True),
+    (1, 700, 2100, 6, 3, 64, torch.float16, False),
+    (1, 2100, 700, 6, 6, 64, torch.bfloat16, True),
+    (3, 257, 129, 5, 5, 128, torch.float16, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_Sq{}_Sk{}_H{}x{}_D{}_{}_{}".format(
+    *c[:6], str(c[6])[6:], "causal" if c[7] else "full"))
+@pytest.mark.parametrize("input_scale", [1.0, 16.0])
+def test_sm90_forward_matches_reference(case, input_scale):
+    B, Sq, Sk, Hq, Hkv, D, dtype, causal = case
+    seed = zlib.crc32(repr((case, input_scale)).encode())
+    g = gen(seed)
+    q = randn((B, Sq, Hq, D), dtype, g, input_scale)
+    k = randn((B, Sk, Hkv, D), dtype, g, input_scale)
+    v = randn((B, Sk, Hkv, D), dtype, g)
+    takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
+
+
+def test_sm90_padding_masks_and_packed_views():
+    g = gen(91)
+    B, S, H, D = 3, 300, 4, 128
+    qkv = randn((B, S, 3, H, D), torch.bfloat16, g, 4.0)
+    q, k, v = qkv.unbind(2)
+    kmask = torch.rand((B, S), generator=g, device=DEV) > 0.3
+    qmask = torch.rand((B, S), generator=g, device=DEV) > 0.2
+    kmask[1] = False
+    takes_sm90(lambda: run_and_check(q, k, v, kmask=kmask, qmask=qmask, causal=True, seed=92,
+                                     check_grads=False))
+
+
+def test_sm90_varlen():
+    g = gen(93)
+    lq, lk = [300, 0, 1, 129, 64], [260, 5, 0, 400, 1]
+    Hq, Hkv, D = 4, 2, 128
+    q = randn((sum(lq), Hq, D), torch.bfloat16, g, 4.0)
+    k = randn((sum(lk), Hkv, D), torch.bfloat16, g, 4.0)
+    v = randn((sum(lk), Hkv, D), torch.bfloat16, g)
+    for causal in (False, True):
+        before = launches()
+        out, lse = vidattn.attention_varlen(q, k, v, cu(lq), cu(lk), max(lq), max(lk),
+                                            causal=causal, return_lse=True)
+        torch.cuda.synchronize()
+        assert launches() > before
+        oq = ok = 0
+        for a, b in zip(lq, lk):
+            pq = q[oq:oq + a][None]
+            pk, pv = k[ok:ok + b][None], v[ok:ok + b][None]
+            ref, ref_lse = vidattn.attention(pq.double().cpu(), pk.double().cpu(),
+                                             pv.double().cpu(), causal=causal,
+                                             return_lse=True)
+            got = out[oq:oq + a].double().cpu()
+            assert torch.isfinite(got).all()
+            err = (got - ref[0]).abs().max().item() if a else 0.0
+            assert err < 2e-2, f"varlen sequence ({a}, {b}): max abs error {err}"
+            ref_l = ref_lse[0]
+            got_l = lse[:, oq:oq + a].cpu().double()
+            assert torch.equal(torch.isinf(got_l), torch.isinf(ref_l))
+            fin = torch.isfinite(ref_l)
+            if fin.any():
+                assert (got_l[fin] - ref_l[fin]).abs().max().item() < 1e-3
+            oq, ok = oq + a, ok + b
+
+
+def test_disable_env_keeps_the_portable_path():
+    code = (
+        "import torch, vidattn\n"
+        "q = torch.randn(1, 200, 2, 128, device='cuda', dtype=torch.bfloat16)\n"
+        "vidattn.attention(q, q, q); torch.cuda.synchronize()\n"
+        "print(torch.ops.vidattn._sm90_forward_launches())\n")
+    env = dict(os.environ, VIDATTN_DISABLE_SM90="1")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "0"
+    env.pop("VIDATTN_DISABLE_SM90")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert int(res.stdout.strip().splitlines()[-1]) >= 1
+
+
+def test_misaligned_views_fall_back():
+    """Rows that TMA cannot read (2-byte offset) take the portable path, still correct.
+    (run_and_check clones its inputs, which would realign them: call the op directly.)"""
+    from test_attention_cuda import check_rule, reference
+    g = gen(95)
+    n = 70 * 2 * 64
+    flat = randn((3 * n + 1,), torch.bfloat16, g)
+    q, k, v = (flat[1 + i * n: 1 + (i + 1) * n].view(1, 70, 2, 64) for i in range(3))
+    assert q.data_ptr() % 16 != 0
+    before = launches()
+    out, lse = vidattn.attention(q, k, v, causal=True, return_lse=True)
+    torch.cuda.synchronize()
+    assert launches() == before
+    ref, ref_lse = reference(q.double(), k.double(), v.double(), 64 ** -0.5, True)
+    low, low_lse = reference(q, k, v, 64 ** -0.5, True)
+    check_rule("out", out, ref, low, torch.bfloat16)
+    check_rule("lse", lse, ref_lse, low_lse, torch.bfloat16)
+
+
+# ---- block-sparse key lists (standalone sm_90a launcher) -----------------------------------
+
+def sparse_inputs(g, B, Hq, Hkv, q_tiles, kv_tiles, tile, D, dtype, max_k):
+    q = randn((B, q_tiles * tile, Hq, D), dtype, g, 4.0)
+    k = randn((B, kv_tiles * tile, Hkv, D), dtype, g, 4.0)
+    v = randn((B, kv_tiles * tile, Hkv, D), dtype, g)
+    sizes = torch.randint(0, tile + 1, (kv_tiles,), generator=g, device=DEV, dtype=torch.int32)
+    sizes[0], sizes[-1] = tile, 0  # a full tile and an empty one
+    scores = torch.rand((B, Hq, q_tiles, kv_tiles), generator=g, device=DEV)
+    index = scores.topk(max_k, dim=-1).indices.sort(dim=-1).values.to(torch.int32)
+    count = torch.randint(0, max_k + 1, (B, Hq, q_tiles), generator=g, device=DEV,
+                          dtype=torch.int32)
+    count[0, 0, 0] = 0  # a query tile that selects nothing
+    count[..., -1] = max_k
+    slot = torch.arange(max_k, device=DEV)
+    index = torch.where(slot < count[..., None], index, torch.full_like(index, -1))
+    return q, k, v, index, count, sizes
+
+
+def sparse_reference(q, k, v, index, count, sizes, tile, scale):
+    """Dense attention with the token mask the key lists imply, in q's dtype (float64 for the
+    reference). Rows of a tile that selects nothing: out 0, lse -inf."""
+    B, Sq, Hq, _ = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    kv_tiles = Sk // tile
+    # Unused slots (-1) scatter into an extra column that is dropped.
+    sel = torch.zeros((B, Hq, Sq // tile, kv_tiles + 1), dtype=torch.bool, device=q.device)
+    idx = torch.where(index >= 0, index, kv_tiles).long()
+    sel.scatter_(-1, idx, True)
+    sel = sel[..., :kv_tiles]
+    slot_ok = (torch.arange(tile, device=q.device)[None, :] < sizes[:, None]).reshape(Sk)
+    vis = sel.repeat_interleave(tile, dim=2).repeat_interleave(tile, dim=3) & slot_ok
+    kk = k.repeat_interleave(Hq // Hkv, dim=2)
+    vv = v.repeat_interleave(Hq // Hkv, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q, kk) * scale
+    row = vis.any(-1, keepdim=True)
+    s = s.masked_fill(~vis, float("-inf")).masked_fill(~row, 0.0)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.logsumexp(s.to(lse_dtype), -1).masked_fill(~row[..., 0], float("-inf"))
+    p = torch.softmax(s, -1) * row
+    return torch.einsum("bhij,bjhd->bihd", p, vv), lse
+
+
+@pytest.mark.parametrize("tile", [64, 128, 256])
+@pytest.mark.parametrize("D,dtype", [(128, torch.bfloat16), (64, torch.float16)],
+                         ids=["D128_bf16", "D64_fp16"])
+def test_sm90_block_sparse_matches_reference(tile, D, dtype):
+    from test_attention_cuda import check_rule
+    g = gen(zlib.crc32(repr((tile, D, str(dtype))).encode()))
+    B, Hq, Hkv, q_tiles, kv_tiles, max_k = 2, 4, 2, 5, 7, 3
+    q, k, v, index, count, sizes = sparse_inputs(g, B, Hq, Hkv, q_tiles, kv_tiles, tile, D,
+                                                 dtype, max_k)
+    scale = D ** -0.5
+    before = launches()
+    out, lse = torch.ops.vidattn._block_sparse_forward_sm90(q, k, v, index, count, sizes, tile)
+    torch.cuda.synchronize()
+    assert launches() > before
+    ref, ref_lse = sparse_reference(q.double(), k.double(), v.double(), index, count, sizes,
+                                    tile, scale)
+    low, low_lse = sparse_reference(q, k, v, index, count, sizes, tile, scale)
+    assert torch.isfinite(out).all()
+    check_rule("out", out, ref, low, dtype)
+    check_rule("lse", lse, ref_lse, low_lse, dtype)
+
+
+def test_sm90_block_sparse_bad_arguments():
+    g = gen(97)
+    q = randn((1, 128, 2, 64), torch.bfloat16, g)
+    index = torch.zeros((1, 2, 2, 1), dtype=torch.int32, device=DEV)
+    count = torch.ones((1, 2, 2), dtype=torch.int32, device=DEV)
+    sizes = torch.full((2,), 64, dtype=torch.int32, device=DEV)
+    op = torch.ops.vidattn._block_sparse_forward_sm90
+    with pytest.raises(ValueError, match="tile_volume"):
+        op(q, q, q, index, count, sizes, 96)
+    with pytest.raises(ValueError, match="q2k_count"):
+        op(q, q, q, index, count[:, :1], sizes, 64)
+    with pytest.raises(TypeError, match="kv_block_sizes"):
+        op(q, q, q, index, count, sizes.float(), 64)

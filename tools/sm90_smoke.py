@@ -1,0 +1,50 @@
+"""Small sm_90a forward runs (dense with masks / causal / GQA / varlen, a multi-tile persistent
+case, block-sparse 64 and 128) for compute-sanitizer: exits non-zero on non-finite output or
+when the sm90 kernels did not run."""
+import sys
+
+import torch
+
+import vidattn
+
+
+def main() -> int:
+    g = torch.Generator(device="cuda")
+    g.manual_seed(0)
+
+    def rnd(*shape, dtype=torch.bfloat16):
+        return torch.randn(shape, generator=g, device="cuda").to(dtype)
+
+    before = torch.ops.vidattn._sm90_forward_launches()
+    results = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for D in (64, 128):
+            q, k, v = rnd(2, 70, 4, D, dtype=dtype), rnd(2, 90, 2, D, dtype=dtype), rnd(2, 90, 2, D, dtype=dtype)
+            kmask = torch.rand((2, 90), generator=g, device="cuda") > 0.3
+            qmask = torch.rand((2, 70), generator=g, device="cuda") > 0.2
+            results.append(vidattn.attention(q, k, v, causal=True, key_padding_mask=kmask,
+                                             query_padding_mask=qmask))
+            cu_q = torch.tensor([0, 10, 10, 75], dtype=torch.int32, device="cuda")
+            cu_k = torch.tensor([0, 5, 37, 100], dtype=torch.int32, device="cuda")
+            qv, kv, vv = rnd(75, 4, D, dtype=dtype), rnd(100, 2, D, dtype=dtype), rnd(100, 2, D, dtype=dtype)
+            results.append(vidattn.attention_varlen(qv, kv, vv, cu_q, cu_k, 65, 63, causal=True))
+    q = rnd(2, 1024, 16, 128)  # 256 tiles: several per CTA of the persistent grid
+    results.append(vidattn.attention(q, q, q))
+    for tile in (64, 128):
+        tiles = 6
+        q = rnd(1, tiles * tile, 4, 128)
+        k = rnd(1, tiles * tile, 2, 128)
+        index = torch.tensor([0, 2, 5], dtype=torch.int32, device="cuda").expand(1, 4, tiles, 3).contiguous()
+        count = torch.randint(0, 4, (1, 4, tiles), generator=g, device="cuda", dtype=torch.int32)
+        sizes = torch.tensor([tile, 1, tile, 0, tile, tile // 2], dtype=torch.int32, device="cuda")
+        out, lse = torch.ops.vidattn._block_sparse_forward_sm90(q, k, k, index, count, sizes, tile)
+        results.append(out)
+    torch.cuda.synchronize()
+    launched = torch.ops.vidattn._sm90_forward_launches() - before
+    bad = [i for i, t in enumerate(results) if not torch.isfinite(t).all()]
+    print("sm90_smoke: outputs", len(results), "sm90 launches", launched, "non-finite", bad)
+    return 1 if bad or launched < len(results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
