@@ -11,6 +11,7 @@
 #   VIDATTN_GIT_COMMIT=<hash> names the commit in the bench JSON when the tree has no .git
 #   BENCH_ARGS="--shapes gpu-dense --out $OUT/bench.json" bash tools/gpu_runner.sh
 #   PREBUILT_OPS=build/carry/_vidattn_ops.so ...   # skip the build; PYTEST_TIMEOUT, BENCH_TIMEOUT (s)
+#   PYTEST_PATHS="tests/python/test_a.py tests/python/test_b.py"   # instead of all of tests/python
 #   FASTVIDEO_DIR=../fastvideo BENCH_ARGS="--shapes gpu-suite" ...   # FastVideo's Triton peers
 #     (a folder holding fastvideo_kernel/, made by tools/fastvideo_peer.sh)
 set -uo pipefail
@@ -84,7 +85,7 @@ fi
 
 if [ $BUILD_OK = 1 ]; then
   if has pytest; then
-    stage pytest ${PYTEST_TIMEOUT:-300} $PYTHON -m pytest tests/python -q -rfE -p no:cacheprovider \
+    stage pytest ${PYTEST_TIMEOUT:-300} $PYTHON -m pytest ${PYTEST_PATHS:-tests/python} -q -rfE -p no:cacheprovider \
       --junitxml="$OUT/pytest.xml" ${PYTEST_ARGS:-}
   fi
   if has cpp && [ -x build/gpu/tests/cpp/vidattn_cpp_tests ]; then
