@@ -222,8 +222,11 @@ TEST(Rope, BadArgumentsAreNamed) {
   };
   expect_message([&] { vidattn::apply_rope(x, on_gpu(cos), on_gpu(cos), out, {}); },
                  "argument 'cos' must be on cpu like x, got cuda:0");
+#if !VIDATTN_TESTS_WITH_CUDA
+  // Only a build without CUDA can say so: with CUDA these host pointers would reach a kernel.
   EXPECT_THROW(vidattn::apply_rope(on_gpu(x), on_gpu(cos), on_gpu(cos), on_gpu(out), {}),
                vidattn::NotImplementedError);
+#endif
 }
 
 }  // namespace
