@@ -191,7 +191,7 @@ TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 1e-5, torch.bfl
 
 @pytest.mark.parametrize("Qt,Kt,Hq,Hkv,D", [(1, 1, 1, 1, 4), (37, 53, 3, 3, 64), (62, 300, 6, 2, 128),
                                             (20, 1440, 2, 1, 128), (33, 517, 3, 1, 5)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 @pytest.mark.parametrize("topk", [1, 7, 10_000])
 def test_topk_tiles_matches_float64_and_cpu(Qt, Kt, Hq, Hkv, D, dtype, topk):
     seed = Qt * 1000 + Kt + topk
@@ -225,6 +225,24 @@ def test_topk_tiles_nan_inf_ties_and_scale():
         assert torch.equal(idx.cpu(), cidx) and torch.equal(cnt.cpu(), ccnt)
     assert idx[0, :, 2].tolist() == [[0, 1, 2, 3, 4, 5]] * 2
     assert idx[0, :, 3].tolist() == [[0, 1, 2, 3, 4, 6]] * 2  # key 5: 0 * inf = NaN
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_topk_tiles_nan_and_inf_on_the_tensor_core_path(dtype):
+    """Half-precision inputs with a tensor-core head dim take the mma score path: a NaN query
+    still ranks every key as -inf (the first tiles), a zero query still turns inf keys into
+    NaN scores (0 * inf), and everything else stays valid."""
+    D = 64
+    qc = randn((1, 9, 2, D), 22, dtype)
+    kc = randn((1, 40, 2, D), 23, dtype)
+    qc[0, 2] = float("nan")
+    qc[0, 3] = 0.0
+    kc[0, 5] = float("inf")
+    idx, cnt = ops.topk_tiles(qc, kc, 6)
+    assert (cnt == 6).all()
+    assert idx[0, :, 2].tolist() == [[0, 1, 2, 3, 4, 5]] * 2
+    assert idx[0, :, 3].tolist() == [[0, 1, 2, 3, 4, 6]] * 2
+    assert ((idx[..., 1:] > idx[..., :-1]).all())
 
 
 @pytest.mark.parametrize("sparsity", [None, 0.5, 0.9])
