@@ -5,7 +5,7 @@
 # benchmarks; leaves logs and JSON under $OUT (default ./gpu-run) and prints a summary.
 #
 #   OUT=/tmp/run bash tools/gpu_runner.sh            # everything
-#   STAGES="build pytest" bash tools/gpu_runner.sh   # a subset (build pytest cpp sanitizer bench bench_dense)
+#   STAGES="build pytest" bash tools/gpu_runner.sh   # a subset (build pytest cpp sanitizer bench bench_dense distributed)
 #   PYTEST_ARGS="-k cuda" bash tools/gpu_runner.sh   # extra pytest arguments
 #   CMAKE_ARGS="-DVIDATTN_CUDA_TARGETS=90a" bash tools/gpu_runner.sh   # extra configure arguments
 #   VIDATTN_GIT_COMMIT=<hash> names the commit in the bench JSON when the tree has no .git
@@ -100,6 +100,17 @@ if [ $BUILD_OK = 1 ]; then
   if has bench; then
     if [ -d python/vidattn/bench ]; then
       stage vidattn_bench ${BENCH_TIMEOUT:-300} $PYTHON -m vidattn.bench --no-progress ${BENCH_ARGS:-}
+    fi
+  fi
+  if has distributed; then
+    # Sequence-parallel layer on 2 GPUs against 1 (parity, compile, efficiency); NVLink
+    # multicast off (the lent machines do not support it).
+    if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+      NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+        stage distributed ${DIST_TIMEOUT:-240} $PYTHON -m torch.distributed.run --nproc_per_node 2 \
+        bench/distributed_bench.py --check --out "$OUT/distributed.json"
+    else
+      echo "=== distributed: skipped (needs 2 GPUs)"
     fi
   fi
   if has bench_dense; then
