@@ -3,12 +3,15 @@
 // scores). Interface in vsa_coarse_launch.h; the CPU reference is src/cpu/vsa_cpu.cpp.
 //
 // Selection design: one CTA scores a block of up to 16 query tiles against the key tiles of
-// their videos (register-tiled SIMT products over shared-memory slices of q and k, fp32
-// accumulation, fp64 for fp64) into shared memory, then each warp selects its rows there with
-// an 8-bit-digit radix select on order-preserving integer keys, followed by an index-ordered
-// warp compaction. That gives the CPU's exact rule: exactly k per row, ties to the lowest
-// index (the compaction takes the tied elements in index order), NaN ranked as -inf, +0 == -0,
-// indices strictly ascending. No score tensor reaches global memory.
+// their videos into shared memory, then each warp selects its rows there with an 8-bit-digit
+// radix select on order-preserving integer keys, followed by an index-ordered warp compaction.
+// That gives the CPU's exact rule: exactly k per row, ties to the lowest index (the compaction
+// takes the tied elements in index order), NaN ranked as -inf, +0 == -0, indices strictly
+// ascending. No score tensor reaches global memory. The scores come from tensor-core mma.sync
+// (fp32 accumulation) for bf16 / fp16 with a head dim of 32, 64, 128 or 256 and 16-byte
+// aligned rows, else from register-tiled SIMT products over shared-memory slices of q and k
+// (fp32 accumulation, fp64 for fp64); the two differ only in how the fp32 sums are ordered and
+// rounded (the products of 16-bit floats are exact in fp32).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -574,11 +577,14 @@ __global__ void __launch_bounds__(kTopkThreads) vsa_select_topk_kernel(VsaTopkLa
 constexpr int kMmaThreads = 256;
 constexpr int kMmaWarps = kMmaThreads / 32;
 
-// 8-key groups per warp step: 8 16-byte loads per lane in flight for kD <= 64, 4 for kD = 128
-// (fewer registers: 3 CTAs of 8 warps fit an SM when their scores do), 8 for kD = 256.
+// 8-key groups per warp step: 4 16-byte loads per lane and step (8 for kD = 256). The next
+// step's loads are issued before this step's mma (a register double buffer, except for
+// kD = 256), so a warp keeps two steps of loads in flight. Registers (ptxas, sm_80 / sm_90a):
+// kD <= 64 within 80, so 3 CTAs of 8 warps per SM; kD = 128 about 96 and kD = 256 about 116,
+// so 2 (the rows of scores of 1440 key tiles allow 2 anyway).
 template <int kD>
 constexpr int mma_key_groups() {
-  return kD >= 128 ? 1 : 256 / kD;
+  return kD >= 128 ? 1 : 128 / kD;
 }
 
 std::size_t topk_mma_smem_bytes(int rows, std::int64_t k_tiles) {
@@ -587,8 +593,8 @@ std::size_t topk_mma_smem_bytes(int rows, std::int64_t k_tiles) {
 }
 
 template <class T, int kD>
-__global__ void __launch_bounds__(kMmaThreads, kD >= 256 ? 2 : 3) vsa_select_topk_mma_kernel(VsaTopkLaunch p,
-                                                                             int rows) {
+__global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
+    vsa_select_topk_mma_kernel(VsaTopkLaunch p, int rows) {
   static_assert(kD % 32 == 0, "the head dim is consumed in 32-wide slices");
   constexpr int kSlices = kD / 32;
   constexpr int kGroups = mma_key_groups<kD>();
@@ -627,9 +633,14 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 256 ? 2 : 3) vsa_select_top
                              : make_uint4(0, 0, 0, 0);
       const uint4 hi = hi_ok ? __ldg(reinterpret_cast<const uint4*>(q_hi + 32 * c))
                              : make_uint4(0, 0, 0, 0);
-      a[2 * c][0] = lo.x, a[2 * c][1] = hi.x, a[2 * c][2] = lo.y, a[2 * c][3] = hi.y;
-      a[2 * c + 1][0] = lo.z, a[2 * c + 1][1] = hi.z, a[2 * c + 1][2] = lo.w,
-                   a[2 * c + 1][3] = hi.w;
+      a[2 * c][0] = lo.x;
+      a[2 * c][1] = hi.x;
+      a[2 * c][2] = lo.y;
+      a[2 * c][3] = hi.y;
+      a[2 * c + 1][0] = lo.z;
+      a[2 * c + 1][1] = hi.z;
+      a[2 * c + 1][2] = lo.w;
+      a[2 * c + 1][3] = hi.w;
     }
   }
   __syncthreads();
@@ -644,8 +655,8 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 256 ? 2 : 3) vsa_select_top
 
   const float scale = float(p.scale);
   const bool row_lo = g < rows, row_hi = g + 8 < rows;
-  for (int base = kmin + warp * kKeysPerStep; base < kmax; base += kMmaWarps * kKeysPerStep) {
-    uint4 kv[kGroups][kSlices];
+  // B operand of the 8-key groups at `base`: zeros for keys past the range (never stored).
+  auto load_keys = [&](int base, uint4 (&kv)[kGroups][kSlices]) {
 #pragma unroll
     for (int j = 0; j < kGroups; ++j) {
       const int key = base + 8 * j + g;
@@ -655,6 +666,15 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 256 ? 2 : 3) vsa_select_top
         kv[j][c] = key < kmax ? __ldg(reinterpret_cast<const uint4*>(src + 32 * c))
                               : make_uint4(0, 0, 0, 0);
     }
+  };
+  constexpr bool kPrefetch = kD <= 128;
+  constexpr int kWarpStride = kMmaWarps * kKeysPerStep;
+  uint4 kv[kGroups][kSlices];
+  if (kPrefetch) load_keys(kmin + warp * kKeysPerStep, kv);
+  for (int base = kmin + warp * kKeysPerStep; base < kmax; base += kWarpStride) {
+    uint4 next[kGroups][kSlices];
+    if (kPrefetch) load_keys(base + kWarpStride, next);
+    else load_keys(base, kv);
     float acc[kGroups][4];
 #pragma unroll
     for (int j = 0; j < kGroups; ++j)
@@ -678,6 +698,12 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 256 ? 2 : 3) vsa_select_top
           if (row_hi) scores[std::int64_t(g + 8) * k_cap + (key - kmin)] = acc[j][2 + col] * scale;
         }
       }
+    if (kPrefetch) {
+#pragma unroll
+      for (int j = 0; j < kGroups; ++j)
+#pragma unroll
+        for (int c = 0; c < kSlices; ++c) kv[j][c] = next[j][c];
+    }
   }
   __syncthreads();
   for (int r = warp; r < rows; r += kMmaWarps) {
@@ -689,7 +715,8 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 256 ? 2 : 3) vsa_select_top
         p.index + b * p.index_stride[0] + h * p.index_stride[1] + t * p.index_stride[2];
     warp_select_row<float>([row](int j) { return row[j]; }, n, want, int(p.max_k), row_k0[r], out,
                            p.index_stride[3], hist + warp * 256);
-    if (lane == 0) p.count[b * p.count_stride[0] + h * p.count_stride[1] + t * p.count_stride[2]] = want;
+    if (lane == 0)
+      p.count[b * p.count_stride[0] + h * p.count_stride[1] + t * p.count_stride[2]] = want;
   }
 }
 
@@ -834,11 +861,12 @@ const char* launch_vsa_select_topk(const VsaTopkLaunch& p, bool* error_is_limit)
     }
     auto by_dim = [&](auto tag) {
       using T = decltype(tag);
+      auto launch = [&](auto kernel) { set_smem_and_launch(kernel, rows, bytes, kMmaThreads); };
       switch (p.head_dim) {
-        case 32: return set_smem_and_launch(vsa_select_topk_mma_kernel<T, 32>, rows, bytes, kMmaThreads);
-        case 64: return set_smem_and_launch(vsa_select_topk_mma_kernel<T, 64>, rows, bytes, kMmaThreads);
-        case 128: return set_smem_and_launch(vsa_select_topk_mma_kernel<T, 128>, rows, bytes, kMmaThreads);
-        default: return set_smem_and_launch(vsa_select_topk_mma_kernel<T, 256>, rows, bytes, kMmaThreads);
+        case 32: return launch(vsa_select_topk_mma_kernel<T, 32>);
+        case 64: return launch(vsa_select_topk_mma_kernel<T, 64>);
+        case 128: return launch(vsa_select_topk_mma_kernel<T, 128>);
+        default: return launch(vsa_select_topk_mma_kernel<T, 256>);
       }
     };
     if (p.dtype == 1) by_dim(__half{});
