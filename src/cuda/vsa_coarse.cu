@@ -670,10 +670,10 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
   constexpr bool kPrefetch = kD <= 128;
   constexpr int kWarpStride = kMmaWarps * kKeysPerStep;
   uint4 kv[kGroups][kSlices];
-  if (kPrefetch) load_keys(kmin + warp * kKeysPerStep, kv);
+  if constexpr (kPrefetch) load_keys(kmin + warp * kKeysPerStep, kv);
   for (int base = kmin + warp * kKeysPerStep; base < kmax; base += kWarpStride) {
     uint4 next[kGroups][kSlices];
-    if (kPrefetch) load_keys(base + kWarpStride, next);
+    if constexpr (kPrefetch) load_keys(base + kWarpStride, next);
     else load_keys(base, kv);
     float acc[kGroups][4];
 #pragma unroll
@@ -698,7 +698,7 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
           if (row_hi) scores[std::int64_t(g + 8) * k_cap + (key - kmin)] = acc[j][2 + col] * scale;
         }
       }
-    if (kPrefetch) {
+    if constexpr (kPrefetch) {
 #pragma unroll
       for (int j = 0; j < kGroups; ++j)
 #pragma unroll
