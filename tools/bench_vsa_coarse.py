@@ -54,12 +54,23 @@ def main():
             "topk_tiles_from_scores": lambda: ops.topk_tiles_from_scores(scores, topk),
             "torch.topk(scores) for scale": lambda: torch.topk(scores, topk, dim=-1),
         }
+        # Bytes each memory-bound op must move at least (read + write), for a GB/s figure.
+        nbytes = {
+            "tile": x.numel() * x.element_size() + xt.numel() * xt.element_size(),
+            "untile": x.numel() * x.element_size() + xt.numel() * xt.element_size(),
+            "tile_mean_pool": xt.numel() * xt.element_size() + qc.numel() * qc.element_size(),
+            "tile_mean_pool_backward": xt.numel() * xt.element_size() + qc.numel() * qc.element_size(),
+        }
         for case, fn in cases.items():
             ms = bench(fn)
             row = dict(shape=name, heads=heads, tiles=t.num_tiles, topk=topk, op=case, ms=ms)
+            rate = ""
+            if case in nbytes:
+                row["gb_per_s"] = nbytes[case] / (ms * 1e-3) / 1e9
+                rate = f" {row['gb_per_s']:7.0f} GB/s"
             rows.append(row)
-            print(f"{name:14s} H{heads:<3d} tiles {t.num_tiles:5d} topk {topk:4d} {case:30s} {ms * 1e3:9.1f} us",
-                  flush=True)
+            print(f"{name:14s} H{heads:<3d} tiles {t.num_tiles:5d} topk {topk:4d} {case:30s} {ms * 1e3:9.1f} us"
+                  f"{rate}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

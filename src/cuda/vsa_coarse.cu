@@ -3,12 +3,15 @@
 // scores). Interface in vsa_coarse_launch.h; the CPU reference is src/cpu/vsa_cpu.cpp.
 //
 // Selection design: one CTA scores a block of up to 16 query tiles against the key tiles of
-// their videos (register-tiled SIMT products over shared-memory slices of q and k, fp32
-// accumulation, fp64 for fp64) into shared memory, then each warp selects its rows there with
-// an 8-bit-digit radix select on order-preserving integer keys, followed by an index-ordered
-// warp compaction. That gives the CPU's exact rule: exactly k per row, ties to the lowest
-// index (the compaction takes the tied elements in index order), NaN ranked as -inf, +0 == -0,
-// indices strictly ascending. No score tensor reaches global memory.
+// their videos into shared memory, then each warp selects its rows there with an 8-bit-digit
+// radix select on order-preserving integer keys, followed by an index-ordered warp compaction.
+// That gives the CPU's exact rule: exactly k per row, ties to the lowest index (the compaction
+// takes the tied elements in index order), NaN ranked as -inf, +0 == -0, indices strictly
+// ascending. No score tensor reaches global memory. The scores come from tensor-core mma.sync
+// (fp32 accumulation) for bf16 / fp16 with a head dim of 32, 64, 128 or 256 and 16-byte
+// aligned rows, else from register-tiled SIMT products over shared-memory slices of q and k
+// (fp32 accumulation, fp64 for fp64); the two differ only in how the fp32 sums are ordered and
+// rounded (the products of 16-bit floats are exact in fp32).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -17,6 +20,7 @@
 #include <type_traits>
 
 #include "dtype_io.cuh"
+#include "sm80/mma_utils.h"
 #include "vsa_coarse_launch.h"
 
 namespace vidattn::detail {
@@ -157,6 +161,108 @@ __global__ void vsa_tile_mean_pool_backward_kernel(VsaPoolLaunch p) {
     const Acc inv = n > 0 ? Acc(1) / Acc(n) : Acc(0);
     for (std::int64_t d = threadIdx.x; d < p.head_dim; d += 32)
       dst[d] = Io<T>::template store<Acc>(s < n ? Io<T>::template load<Acc>(src[d]) * inv : Acc(0));
+  }
+}
+
+// 16-byte vector forms of the two pooling kernels, for rows of D % (16 / sizeof(T)) == 0 on
+// 16-byte aligned tensors (the launcher checks). Each element keeps exactly the arithmetic of the
+// scalar kernels (forward: a sum over the tile's slots in slot order, like the CPU backend), so
+// every dtype stays bit-identical with the CPU op; only the memory access is wider.
+template <class T>
+union Vec16 {
+  uint4 raw;
+  T elem[16 / sizeof(T)];
+};
+
+// One thread per (b, t, h, 16-byte run of d); runs are the fastest index, so a warp reads whole
+// rows of consecutive heads. kAhead slots are loaded before any is added: independent 16-byte
+// loads in flight per thread, while the additions stay in slot order.
+template <class T>
+__global__ void __launch_bounds__(256) vsa_tile_mean_pool_vec_kernel(VsaPoolLaunch p) {
+  using Acc = AccOf<T>;
+  constexpr int kRun = 16 / int(sizeof(T));
+  constexpr int kAhead = 8;
+  const auto* x = static_cast<const T*>(p.x);
+  auto* out = static_cast<T*>(p.out);
+  const std::int64_t runs = p.head_dim / kRun;
+  const std::int64_t total = p.batch * p.tiles * p.heads * runs;
+  const std::int64_t step = std::int64_t(gridDim.x) * blockDim.x;
+  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += step) {
+    const std::int64_t c = i % runs;
+    std::int64_t r = i / runs;
+    const std::int64_t h = r % p.heads;
+    r /= p.heads;
+    const std::int64_t t = r % p.tiles, b = r / p.tiles;
+    const int n = int(clamped_size(p, t));
+    const T* src = x + b * p.x_stride[0] + t * p.tile_volume * p.x_stride[1] +
+                   h * p.x_stride[2] + c * kRun;
+    Acc sum[kRun];
+#pragma unroll
+    for (int e = 0; e < kRun; ++e) sum[e] = Acc(0);
+    for (int s0 = 0; s0 < n; s0 += kAhead) {
+      Vec16<T> buf[kAhead];
+#pragma unroll
+      for (int u = 0; u < kAhead; ++u)
+        buf[u].raw = s0 + u < n
+                         ? __ldg(reinterpret_cast<const uint4*>(src + (s0 + u) * p.x_stride[1]))
+                         : make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int u = 0; u < kAhead; ++u)
+        if (s0 + u < n)
+#pragma unroll
+          for (int e = 0; e < kRun; ++e) sum[e] += Io<T>::template load<Acc>(buf[u].elem[e]);
+    }
+    const Acc inv = n > 0 ? Acc(1) / Acc(n) : Acc(0);
+    Vec16<T> res;
+#pragma unroll
+    for (int e = 0; e < kRun; ++e) res.elem[e] = Io<T>::template store<Acc>(sum[e] * inv);
+    *reinterpret_cast<uint4*>(out + b * p.out_stride[0] + t * p.out_stride[1] +
+                              h * p.out_stride[2] + c * kRun) = res.raw;
+  }
+}
+
+// One thread per (b, t, group of kSlots slots, h, 16-byte run of d): one load of grad_out, one
+// conversion, then kSlots independent 16-byte stores (the value, or zeros past the tile's size).
+constexpr int kPoolBwdSlots = 16;
+template <class T>
+__global__ void __launch_bounds__(256) vsa_tile_mean_pool_backward_vec_kernel(VsaPoolLaunch p) {
+  using Acc = AccOf<T>;
+  constexpr int kRun = 16 / int(sizeof(T));
+  const auto* g = static_cast<const T*>(p.x);
+  auto* out = static_cast<T*>(p.out);
+  const std::int64_t runs = p.head_dim / kRun;
+  const std::int64_t groups = (p.tile_volume + kPoolBwdSlots - 1) / kPoolBwdSlots;
+  const std::int64_t total = p.batch * p.tiles * groups * p.heads * runs;
+  const std::int64_t step = std::int64_t(gridDim.x) * blockDim.x;
+  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += step) {
+    const std::int64_t c = i % runs;
+    std::int64_t r = i / runs;
+    const std::int64_t h = r % p.heads;
+    r /= p.heads;
+    const std::int64_t grp = r % groups;
+    r /= groups;
+    const std::int64_t t = r % p.tiles, b = r / p.tiles;
+    const std::int64_t n = clamped_size(p, t);
+    const Acc inv = n > 0 ? Acc(1) / Acc(n) : Acc(0);
+    Vec16<T> in, val;
+    in.raw = __ldg(reinterpret_cast<const uint4*>(g + b * p.x_stride[0] + t * p.x_stride[1] +
+                                                  h * p.x_stride[2] + c * kRun));
+#pragma unroll
+    for (int e = 0; e < kRun; ++e)
+      val.elem[e] = Io<T>::template store<Acc>(Io<T>::template load<Acc>(in.elem[e]) * inv);
+    const std::int64_t s0 = grp * kPoolBwdSlots;
+    T* dst = out + b * p.out_stride[0] + (t * p.tile_volume + s0) * p.out_stride[1] +
+             h * p.out_stride[2] + c * kRun;
+#pragma unroll 4
+    for (int u = 0; u < kPoolBwdSlots; ++u) {
+      const std::int64_t s = s0 + u;
+      if (s >= p.tile_volume) break;
+      // Zero bits are +0, what the scalar path stores (Io<T>::store(Acc(0))).
+      *reinterpret_cast<uint4*>(dst + u * p.out_stride[1]) =
+          s < n ? val.raw : make_uint4(0, 0, 0, 0);
+    }
   }
 }
 
@@ -455,6 +561,165 @@ __global__ void __launch_bounds__(kTopkThreads) vsa_select_topk_kernel(VsaTopkLa
   }
 }
 
+// Tensor-core scores for bf16 / fp16 with head dim kD (a multiple of 32): one CTA of 8 warps
+// takes up to kRowsMax query tiles (the 16 rows of one mma m16n8k16 A operand, rows past
+// `rows` or the last tile are zeros) and computes their scores against the key range of their
+// videos with fp32 accumulation; the selection that follows is the SIMT kernel's.
+//
+// Operand layout without shared-memory staging: for each 32-wide slice c of the head dim, lane
+// (g = lane / 4, q4 = lane % 4) loads 16 bytes, d in [32c + 8 q4, 32c + 8 q4 + 8), of query rows
+// g and g + 8 (A) and of key g of an 8-key group (B). The dot product does not depend on which
+// k-slot of the mma a given d lands in, only on q and k using the same assignment: words 0, 1
+// of the run feed k-step 2c (k-slots 2 q4, 2 q4 + 1 and 2 q4 + 8, 2 q4 + 9), words 2, 3 feed
+// k-step 2c + 1, in the register positions that A (a0/a2 for row g, a1/a3 for row g + 8) and B
+// (b0, b1) use for those k-slots. So every d pairs q[row][d] with k[key][d] exactly once. Each
+// lane's loads cover 8 keys x 64 contiguous bytes per warp instruction.
+constexpr int kMmaThreads = 256;
+constexpr int kMmaWarps = kMmaThreads / 32;
+
+// 8-key groups per warp step: 4 16-byte loads per lane and step (8 for kD = 256). The next
+// step's loads are issued before this step's mma (a register double buffer, except for
+// kD = 256), so a warp keeps two steps of loads in flight. Registers (ptxas, sm_80 / sm_90a):
+// kD <= 64 within 80, so 3 CTAs of 8 warps per SM; kD = 128 about 96 and kD = 256 about 116,
+// so 2 (the rows of scores of 1440 key tiles allow 2 anyway).
+template <int kD>
+constexpr int mma_key_groups() {
+  return kD >= 128 ? 1 : 128 / kD;
+}
+
+std::size_t topk_mma_smem_bytes(int rows, std::int64_t k_tiles) {
+  return sizeof(float) * std::size_t(rows) * std::size_t(k_tiles) +
+         sizeof(int) * (kMmaWarps * 256 + 2 * kRowsMax);
+}
+
+template <class T, int kD>
+__global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
+    vsa_select_topk_mma_kernel(VsaTopkLaunch p, int rows) {
+  static_assert(kD % 32 == 0, "the head dim is consumed in 32-wide slices");
+  constexpr int kSlices = kD / 32;
+  constexpr int kGroups = mma_key_groups<kD>();
+  constexpr int kKeysPerStep = 8 * kGroups;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const std::int64_t k_cap = p.k_tiles;
+  float* scores = reinterpret_cast<float*>(smem);                     // [rows][k_cap]
+  int* hist = reinterpret_cast<int*>(scores + std::int64_t(rows) * k_cap);  // [8][256]
+  int* row_k0 = hist + kMmaWarps * 256;
+  int* row_n = row_k0 + kRowsMax;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, q4 = lane & 3;
+  const std::int64_t t0 = std::int64_t(blockIdx.x) * rows;
+  const std::int64_t h = blockIdx.y, b = blockIdx.z;
+  const std::int64_t hk = h / (p.heads_q / p.heads_kv);
+  const auto* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[2];
+  const auto* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[2];
+
+  if (tid < kRowsMax) {
+    int k0 = 0, n = 0;
+    if (tid < rows && t0 + tid < p.q_tiles) video_range(p, t0 + tid, &k0, &n);
+    row_k0[tid] = k0;
+    row_n[tid] = n;
+  }
+  // A operand (every warp holds all 16 rows), loaded while the ranges are being found.
+  std::uint32_t a[2 * kSlices][4];
+  {
+    const bool lo_ok = g < rows && t0 + g < p.q_tiles;
+    const bool hi_ok = g + 8 < rows && t0 + g + 8 < p.q_tiles;
+    const T* q_lo = q + (t0 + g) * p.q_stride[1] + 8 * q4;
+    const T* q_hi = q + (t0 + g + 8) * p.q_stride[1] + 8 * q4;
+#pragma unroll
+    for (int c = 0; c < kSlices; ++c) {
+      const uint4 lo = lo_ok ? __ldg(reinterpret_cast<const uint4*>(q_lo + 32 * c))
+                             : make_uint4(0, 0, 0, 0);
+      const uint4 hi = hi_ok ? __ldg(reinterpret_cast<const uint4*>(q_hi + 32 * c))
+                             : make_uint4(0, 0, 0, 0);
+      a[2 * c][0] = lo.x;
+      a[2 * c][1] = hi.x;
+      a[2 * c][2] = lo.y;
+      a[2 * c][3] = hi.y;
+      a[2 * c + 1][0] = lo.z;
+      a[2 * c + 1][1] = hi.z;
+      a[2 * c + 1][2] = lo.w;
+      a[2 * c + 1][3] = hi.w;
+    }
+  }
+  __syncthreads();
+  // The union of the rows' key ranges (one range unless the block straddles videos).
+  int kmin = 0x7fffffff, kmax = 0;
+  for (int r = 0; r < rows; ++r)
+    if (row_n[r] > 0) {
+      kmin = min(kmin, row_k0[r]);
+      kmax = max(kmax, row_k0[r] + row_n[r]);
+    }
+  if (kmax == 0) kmin = 0;
+
+  const float scale = float(p.scale);
+  const bool row_lo = g < rows, row_hi = g + 8 < rows;
+  // B operand of the 8-key groups at `base`: zeros for keys past the range (never stored).
+  auto load_keys = [&](int base, uint4 (&kv)[kGroups][kSlices]) {
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j) {
+      const int key = base + 8 * j + g;
+      const T* src = k + std::int64_t(key) * p.k_stride[1] + 8 * q4;
+#pragma unroll
+      for (int c = 0; c < kSlices; ++c)
+        kv[j][c] = key < kmax ? __ldg(reinterpret_cast<const uint4*>(src + 32 * c))
+                              : make_uint4(0, 0, 0, 0);
+    }
+  };
+  constexpr bool kPrefetch = kD <= 128;
+  constexpr int kWarpStride = kMmaWarps * kKeysPerStep;
+  uint4 kv[kGroups][kSlices];
+  if constexpr (kPrefetch) load_keys(kmin + warp * kKeysPerStep, kv);
+  for (int base = kmin + warp * kKeysPerStep; base < kmax; base += kWarpStride) {
+    uint4 next[kGroups][kSlices];
+    if constexpr (kPrefetch) load_keys(base + kWarpStride, next);
+    else load_keys(base, kv);
+    float acc[kGroups][4];
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kSlices; ++c)
+#pragma unroll
+      for (int j = 0; j < kGroups; ++j) {
+        cuda_sm80::Mma<T>::run(acc[j], a[2 * c], kv[j][c].x, kv[j][c].y);
+        cuda_sm80::Mma<T>::run(acc[j], a[2 * c + 1], kv[j][c].z, kv[j][c].w);
+      }
+    // acc[j]: (row g, keys 2 q4, 2 q4 + 1 of group j), then the same keys of row g + 8.
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j)
+#pragma unroll
+      for (int col = 0; col < 2; ++col) {
+        const int key = base + 8 * j + 2 * q4 + col;
+        if (key < kmax) {
+          if (row_lo) scores[std::int64_t(g) * k_cap + (key - kmin)] = acc[j][col] * scale;
+          if (row_hi) scores[std::int64_t(g + 8) * k_cap + (key - kmin)] = acc[j][2 + col] * scale;
+        }
+      }
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int j = 0; j < kGroups; ++j)
+#pragma unroll
+        for (int c = 0; c < kSlices; ++c) kv[j][c] = next[j][c];
+    }
+  }
+  __syncthreads();
+  for (int r = warp; r < rows; r += kMmaWarps) {
+    const std::int64_t t = t0 + r;
+    if (t >= p.q_tiles) break;
+    const int n = row_n[r], want = row_topk(p, n);
+    const float* row = scores + std::int64_t(r) * k_cap + (row_k0[r] - kmin);
+    std::int32_t* out =
+        p.index + b * p.index_stride[0] + h * p.index_stride[1] + t * p.index_stride[2];
+    warp_select_row<float>([row](int j) { return row[j]; }, n, want, int(p.max_k), row_k0[r], out,
+                           p.index_stride[3], hist + warp * 256);
+    if (lane == 0)
+      p.count[b * p.count_stride[0] + h * p.count_stride[1] + t * p.count_stride[2]] = want;
+  }
+}
+
 // One warp per row of given scores, read straight from global memory (L1/L2 serve the passes).
 template <class T>
 __global__ void __launch_bounds__(kTopkThreads) vsa_topk_from_scores_kernel(VsaTopkLaunch p) {
@@ -517,6 +782,21 @@ const char* launch_vsa_tile_mean_pool(const VsaPoolLaunch& p) {
   const unsigned grid = grid_for(total, kThreads);
   visit_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
+    // 16-byte runs of d when the row length, the pointers and every stride allow them.
+    const std::int64_t run = 16 / std::int64_t(sizeof(T));
+    bool vec = p.head_dim % run == 0 && aligned(p.x, 16) && aligned(p.out, 16);
+    for (int d = 0; d < 3 && vec; ++d) vec = p.x_stride[d] % run == 0 && p.out_stride[d] % run == 0;
+    if (vec) {
+      const std::int64_t runs = p.batch * p.tiles * p.heads * (p.head_dim / run);
+      if (p.backward) {
+        const std::int64_t groups = (p.tile_volume + kPoolBwdSlots - 1) / kPoolBwdSlots;
+        vsa_tile_mean_pool_backward_vec_kernel<T>
+            <<<grid_for(runs * groups, kThreads), kThreads, 0, stream>>>(p);
+      } else {
+        vsa_tile_mean_pool_vec_kernel<T><<<grid_for(runs, kThreads), kThreads, 0, stream>>>(p);
+      }
+      return;
+    }
     if (p.backward) {
       const std::int64_t rows = p.batch * p.tiles * p.tile_volume * p.heads;
       const dim3 block(32, 8);
@@ -547,13 +827,55 @@ const char* launch_vsa_select_topk(const VsaTopkLaunch& p, bool* error_is_limit)
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device) != cudaSuccess)
     return "cudaDeviceGetAttribute failed";
   const char* error = nullptr;
+  // Query tiles per CTA: 16, or 8 when that is needed to give every SM a few CTAs (each row's
+  // scores are computed the same way whatever the grouping); halved further while the rows of
+  // scores do not fit in shared memory.
+  const bool half = ((p.q_tiles + kRowsMax - 1) / kRowsMax) * p.heads_q * p.batch < 4 * sms;
+  auto set_smem_and_launch = [&](auto kernel, int rows, std::size_t bytes, int threads) {
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)) !=
+        cudaSuccess) {
+      error = last_error();
+      if (!error) error = "cudaFuncSetAttribute failed";
+      return;
+    }
+    const dim3 grid(unsigned((p.q_tiles + rows - 1) / rows), unsigned(p.heads_q),
+                    unsigned(p.batch));
+    kernel<<<grid, threads, bytes, static_cast<cudaStream_t>(p.stream)>>>(p, rows);
+    error = last_error();
+  };
+  // Tensor-core scores: bf16 / fp16, a head dim of 32, 64, 128 or 256, and every 16-byte run of
+  // a q or k row that the kernel loads aligned (pointers and strides in multiples of 8 elements).
+  const bool mma_dtype = p.dtype == 1 || p.dtype == 2;
+  const bool mma_dim =
+      p.head_dim == 32 || p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256;
+  bool mma_aligned = aligned(p.q, 16) && aligned(p.k, 16);
+  for (int d = 0; d < 3 && mma_aligned; ++d)
+    mma_aligned = p.q_stride[d] % 8 == 0 && p.k_stride[d] % 8 == 0;
+  if (mma_dtype && mma_dim && mma_aligned) {
+    int rows = half ? kRowsMax / 2 : kRowsMax;
+    while (rows > 1 && topk_mma_smem_bytes(rows, p.k_tiles) > std::size_t(max_smem)) rows /= 2;
+    const std::size_t bytes = topk_mma_smem_bytes(rows, p.k_tiles);
+    if (bytes > std::size_t(max_smem)) {
+      *error_is_limit = true;
+      return "too many key tiles per row for the CUDA selection's shared memory";
+    }
+    auto by_dim = [&](auto tag) {
+      using T = decltype(tag);
+      auto launch = [&](auto kernel) { set_smem_and_launch(kernel, rows, bytes, kMmaThreads); };
+      switch (p.head_dim) {
+        case 32: return launch(vsa_select_topk_mma_kernel<T, 32>);
+        case 64: return launch(vsa_select_topk_mma_kernel<T, 64>);
+        case 128: return launch(vsa_select_topk_mma_kernel<T, 128>);
+        default: return launch(vsa_select_topk_mma_kernel<T, 256>);
+      }
+    };
+    if (p.dtype == 1) by_dim(__half{});
+    else by_dim(__nv_bfloat16{});
+    return error;
+  }
   visit_dtype(p.dtype, [&](auto tag) {
     using T = decltype(tag);
     using Acc = AccOf<T>;
-    // As many query tiles per CTA as shared memory holds rows of scores for.
-    // 8 query tiles per CTA instead of 16 when that is needed to give every SM a few CTAs
-    // (each row's scores are computed the same way whatever the grouping).
-    const bool half = ((p.q_tiles + kRowsMax - 1) / kRowsMax) * p.heads_q * p.batch < 4 * sms;
     int rows = half ? kRowsMax / 2 : kRowsMax;
     while (rows > 1 && topk_smem_bytes<Acc>(rows, p.k_tiles) > std::size_t(max_smem)) rows /= 2;
     const std::size_t bytes = topk_smem_bytes<Acc>(rows, p.k_tiles);
@@ -567,18 +889,7 @@ const char* launch_vsa_select_topk(const VsaTopkLaunch& p, bool* error_is_limit)
     const bool vec = !std::is_same<T, double>::value && p.head_dim % run == 0 &&
                      p.k_stride[0] % run == 0 && p.k_stride[1] % run == 0 &&
                      p.k_stride[2] % run == 0 && aligned(p.k, 16);
-    auto launch = [&](auto kernel) {
-      if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)) !=
-          cudaSuccess) {
-        error = last_error();
-        if (!error) error = "cudaFuncSetAttribute failed";
-        return;
-      }
-      const dim3 grid(unsigned((p.q_tiles + rows - 1) / rows), unsigned(p.heads_q),
-                      unsigned(p.batch));
-      kernel<<<grid, kTopkThreads, bytes, static_cast<cudaStream_t>(p.stream)>>>(p, rows);
-      error = last_error();
-    };
+    auto launch = [&](auto kernel) { set_smem_and_launch(kernel, rows, bytes, kTopkThreads); };
     if (rows <= kRowsMax / 2) {
       if (vec) launch(vsa_select_topk_kernel<T, 2, true>);
       else launch(vsa_select_topk_kernel<T, 2, false>);
