@@ -197,14 +197,19 @@ def _check_all(rank, world, group=None, device=None):
         _assert_matches(got, _reference(case, "dense"), rows, f"world {world} dense {label}")
 
 
-def _check_vsa(rank, world, group=None):
+def _check_vsa(rank, world, group=None, device=None):
+    """device: run on it in bfloat16 with D = 64 (what the CUDA kernels take)."""
     seed = 200 * world
     for label, grid, kwargs in _vsa_cases(world):
         seed += 1
         tokens = grid[0] * grid[1] * grid[2]
         s_local = -(-tokens // world)
+        if device is not None:
+            kwargs = dict(kwargs, head_dim=64, dtype=torch.bfloat16)
         case = _make_case(seed, world=world, s_local=s_local, seq_len=tokens, **kwargs)
-        tiling = vidattn.VideoTiling(grid=grid, tile=(4, 4, 4))
+        if device is not None:
+            case = _to_device(case, device)
+        tiling = vidattn.VideoTiling(grid=grid, tile=(4, 4, 4), device=device)
         module = vidattn.DistributedAttention("vsa", group=group, tiling=tiling, topk=2)
         got, rows = _run_sharded(case, module, world, rank, group)
         _assert_matches(got, _reference(case, "vsa", tiling, 2), rows, f"world {world} {label}")
@@ -303,6 +308,9 @@ TASKS = {
     "heads_not_divisible": _heads_not_divisible,
     "vsa": _check_vsa,
     "parity_cuda": lambda rank, world: _check_all(rank, world, device=torch.device("cuda", rank)),
+    "vsa_cuda": lambda rank, world: _check_vsa(rank, world, device=torch.device("cuda", rank)),
+    # The NCCL task's bf16 / D = 64 cases, here on the CPU over gloo.
+    "vsa_bf16": lambda rank, world: _check_vsa(rank, world, device=torch.device("cpu")),
     "compile": _compile_check,
     "compile_vsa": _compile_vsa_check,
     "subgroup": _subgroup_parity,
@@ -357,7 +365,7 @@ def _spawn(world, tasks, backend="gloo"):
 @pytest.fixture(scope="module")
 def two_processes():
     return _spawn(2, ["parity", "heads_not_divisible", "compile"]
-                  + (["vsa", "compile_vsa"] if HAVE_VSA else []))
+                  + (["vsa", "vsa_bf16", "compile_vsa"] if HAVE_VSA else []))
 
 
 @pytest.fixture(scope="module")
@@ -369,7 +377,7 @@ def four_processes():
 def two_gpus():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    return _spawn(2, ["parity_cuda"], backend="nccl")
+    return _spawn(2, ["parity_cuda"] + (["vsa_cuda"] if HAVE_VSA else []), backend="nccl")
 
 
 def _assert_task(results, task):
@@ -395,6 +403,11 @@ def test_vsa_parity_two_processes(two_processes):
 
 
 @pytest.mark.skipif(not HAVE_VSA, reason="this build has no vidattn.video_sparse_attention")
+def test_vsa_parity_bfloat16_two_processes(two_processes):
+    _assert_task(two_processes, "vsa_bf16")
+
+
+@pytest.mark.skipif(not HAVE_VSA, reason="this build has no vidattn.video_sparse_attention")
 def test_vsa_parity_four_processes(four_processes):
     _assert_task(four_processes, "vsa")
 
@@ -402,6 +415,13 @@ def test_vsa_parity_four_processes(four_processes):
 def test_parity_two_gpus_nccl(two_gpus):
     """The same parity with NCCL on two GPUs (bf16, the CUDA kernels' dtypes)."""
     _assert_task(two_gpus, "parity_cuda")
+
+
+@pytest.mark.skipif(not HAVE_VSA, reason="this build has no vidattn.video_sparse_attention")
+def test_vsa_parity_two_gpus_nccl(two_gpus):
+    """VSA (CUDA tiling, coarse stage, block-sparse, combine) sharded over two GPUs equals the
+    single-GPU result."""
+    _assert_task(two_gpus, "vsa_cuda")
 
 
 def test_parity_on_a_subgroup(four_processes):
