@@ -27,7 +27,10 @@
 //   row that sees no key) and gets zero dQ.
 // - Padded query slots (slots >= block_sizes of their tile) output 0 with LSE -inf and get
 //   zero dQ; padded key slots are never attended and get zero dK, dV. Inputs in padded slots
-//   are never read by the attention, so their content does not matter (NaN included).
+//   are never attended, so their content does not matter as long as it is finite (query
+//   slots may even hold NaN). Finite, because the Hopper forward multiplies the V rows of
+//   padded key slots by an exact-zero probability, and 0 * NaN is NaN; VideoTiling.tile
+//   writes zeros there.
 // - Zero-size key tiles in the index are skipped (no exp(-inf - -inf)).
 // - A key tile no query selected gets exactly zero dK, dV.
 // - The CPU backward is always deterministic; `deterministic` exists for the CUDA backend,

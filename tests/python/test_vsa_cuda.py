@@ -73,7 +73,7 @@ def test_vsa_cuda_matches_float64_reference(case):
 def test_vsa_cuda_selection_equals_cpu_where_scores_are_clear():
     """Same inputs on both devices: the GPU's selection is the CPU's wherever no two coarse
     scores of a row are within fp32 rounding of the k-th one."""
-    case = ((9, 10, 7), (4, 4, 4), None, 4, False, 4.0, 1, 3, 3, 64, torch.float32)
+    case = ((9, 10, 7), (4, 4, 4), None, 4, False, 4.0, 1, 3, 3, 64, torch.bfloat16)
     t, _, q, k, v, _, _ = _inputs(case, DEV)
     t_cpu = vidattn.VideoTiling((9, 10, 7), (4, 4, 4))
     _, (idx_g, _) = vidattn.video_sparse_attention(q, k, v, tiling=t, topk=4,
