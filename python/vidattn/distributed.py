@@ -35,6 +35,15 @@ def _resolve_group(group):
     return dist.group.WORLD if group is None else group
 
 
+def _all_to_all_start(x: torch.Tensor, world: int, group) -> torch.Tensor:
+    """Issues the all-to-all of _all_to_all and returns its not-yet-waited output: work on
+    the current stream may overlap it until wait_tensor."""
+    from torch.distributed import _functional_collectives as funcol
+    splits = [x.shape[0] // world] * world
+    return torch.ops._c10d_functional.all_to_all_single(
+        x, splits, splits, funcol._resolve_group_name(group))
+
+
 def _all_to_all(x: torch.Tensor, world: int, group) -> torch.Tensor:
     """All-to-all along dim 0 (chunk j goes to rank j; chunks received in rank order).
 
@@ -42,11 +51,7 @@ def _all_to_all(x: torch.Tensor, world: int, group) -> torch.Tensor:
     all-to-all of the contiguous gradient. (The `_c10d_functional_autograd` variant behind
     `all_to_all_single_autograd` rejects the non-contiguous gradients that the permutes
     around it produce.)"""
-    from torch.distributed import _functional_collectives as funcol
-    splits = [x.shape[0] // world] * world
-    out = torch.ops._c10d_functional.all_to_all_single(
-        x, splits, splits, funcol._resolve_group_name(group))
-    return torch.ops._c10d_functional.wait_tensor(out)
+    return torch.ops._c10d_functional.wait_tensor(_all_to_all_start(x, world, group))
 
 
 def _sequence_to_heads(xs: Sequence[torch.Tensor], world: int, group) -> List[torch.Tensor]:
@@ -123,15 +128,20 @@ class DistributedAttention(torch.nn.Module):
     ``seq_len == tiling.num_tokens``) and ``topk`` or ``sparsity``; the layer tiles the
     gathered sequence after RoPE and untiles the result. ``gate`` (``[B, S_local, H, D]``,
     sharded like q) is optional. Replicated tokens are not supported with VSA (its tiles cover
-    the video grid only).
+    the video grid only). VSA is fast enough for the all-to-alls to show, so the layer
+    pipelines it over ``head_chunks`` groups of this rank's heads (default 2 where they split
+    evenly): chunk c + 1 travels while chunk c is computed, and chunk c's output travels back
+    while chunk c + 1 is computed. Heads are independent, so the result is the same.
 
     World size 1 (or torch.distributed not initialized) runs with no collective.
     """
 
     def __init__(self, backend: str = "dense", *, group=None, scale: Optional[float] = None,
                  interleaved_rope: bool = True, tiling=None, topk: Optional[int] = None,
-                 sparsity: Optional[float] = None):
+                 sparsity: Optional[float] = None, head_chunks: Optional[int] = None):
         super().__init__()
+        if head_chunks is not None and int(head_chunks) < 1:
+            raise ValueError(f"DistributedAttention: head_chunks must be >= 1, got {head_chunks}")
         if backend not in _BACKENDS:
             raise ValueError(f"DistributedAttention: backend must be 'dense' or 'vsa', got "
                              f"{backend!r}")
@@ -152,6 +162,7 @@ class DistributedAttention(torch.nn.Module):
         self.tiling = tiling
         self.topk = topk
         self.sparsity = sparsity
+        self.head_chunks = None if head_chunks is None else int(head_chunks)
 
     def extra_repr(self) -> str:
         extra = f", tiling={self.tiling!r}" if self.backend == "vsa" else ""
@@ -218,8 +229,12 @@ class DistributedAttention(torch.nn.Module):
         seq_len = padded if seq_len is None else int(seq_len)
         self._check(q, k, v, seq_len, world, cos, sin, replicated, gate)
 
-        # Full sequence, this rank's heads.
         sharded = [q, k, v] if gate is None else [q, k, v, gate]
+        chunks = self._vsa_chunks(sharded, world)
+        if chunks > 1:
+            return self._vsa_pipelined(sharded, world, group, seq_len, padded, cos, sin, chunks)
+
+        # Full sequence, this rank's heads.
         if world > 1:
             sharded = _sequence_to_heads(sharded, world, group)
         if seq_len != padded:
@@ -259,3 +274,57 @@ class DistributedAttention(torch.nn.Module):
         if world > 1:
             out = _heads_to_sequence(out, world, group)
         return out if replicated is None else (out, replicated_out)
+
+    def _vsa_chunks(self, sharded, world: int) -> int:
+        """How many head groups the VSA path pipelines (1: no pipeline)."""
+        if self.backend != "vsa" or world == 1:
+            return 1
+        wanted = 2 if self.head_chunks is None else self.head_chunks
+        if wanted > 1 and all((x.shape[2] // world) % wanted == 0 for x in sharded):
+            return wanted
+        if self.head_chunks is not None and self.head_chunks > 1:
+            raise ValueError(f"DistributedAttention: head_chunks={self.head_chunks} must divide "
+                             f"every tensor's heads per rank, got "
+                             f"{[x.shape[2] // world for x in sharded]}")
+        return 1
+
+    def _vsa_pipelined(self, sharded, world: int, group, seq_len: int, padded: int, cos, sin,
+                       chunks: int) -> torch.Tensor:
+        """The VSA path over `chunks` head groups with the all-to-alls overlapping compute.
+        Head j * h_local + c * hc + i of a tensor (h_local heads per rank, hc per chunk) is
+        head i of chunk c on rank j."""
+        from .vsa import video_sparse_attention
+        b, s_local = sharded[0].shape[0], sharded[0].shape[1]
+        widths = [x.shape[2] // world // chunks * x.shape[3] for x in sharded]
+        # Every chunk's all-to-all is issued up front: NCCL runs them in order while the
+        # compute stream works on the chunks already received.
+        pending = []
+        for c in range(chunks):
+            parts = [x.reshape(b, s_local, world, chunks, w)[:, :, :, c].permute(2, 0, 1, 3)
+                     for x, w in zip(sharded, widths)]
+            pending.append(_all_to_all_start(torch.cat(parts, dim=-1), world, group))
+        returning = []
+        tiling = self.tiling
+        for c in range(chunks):
+            recv = torch.ops._c10d_functional.wait_tensor(pending[c])
+            full = recv.permute(1, 0, 2, 3).reshape(b, world * s_local, sum(widths))
+            ts = [chunk.unflatten(-1, (w // x.shape[3], x.shape[3]))[:, :seq_len]
+                  for chunk, x, w in zip(torch.split(full, widths, dim=-1), sharded, widths)]
+            q, k, v = ts[:3]
+            gate = ts[3] if len(ts) == 4 else None
+            if cos is not None:
+                q = apply_rope(q, cos, sin, interleaved=self.interleaved_rope)
+                k = apply_rope(k, cos, sin, interleaved=self.interleaved_rope)
+            out = video_sparse_attention(
+                tiling.tile(q), tiling.tile(k), tiling.tile(v), tiling=tiling, topk=self.topk,
+                sparsity=self.sparsity, gate=None if gate is None else tiling.tile(gate),
+                scale=self.scale)
+            out = tiling.untile(out)
+            if seq_len != padded:
+                out = F.pad(out, (0, 0, 0, 0, 0, padded - seq_len))
+            hc, dv = out.shape[2], out.shape[3]
+            send = out.reshape(b, world, s_local, hc * dv).permute(1, 0, 2, 3).contiguous()
+            returning.append(_all_to_all_start(send, world, group))
+        # [world (head group), B, S_local, hc * Dv] per chunk -> [B, S_local, H, Dv].
+        back = [torch.ops._c10d_functional.wait_tensor(r).permute(1, 2, 0, 3) for r in returning]
+        return torch.stack(back, dim=3).reshape(b, s_local, world * chunks * hc, dv)

@@ -215,6 +215,30 @@ def _check_vsa(rank, world, group=None, device=None):
         _assert_matches(got, _reference(case, "vsa", tiling, 2), rows, f"world {world} {label}")
 
 
+def _vsa_head_chunks(rank, world):
+    """The pipelined VSA path (head chunks) gives exactly the unpipelined result, and a chunk
+    count that does not divide the heads is refused."""
+    grid = (3, 6, 10)
+    tokens = grid[0] * grid[1] * grid[2]
+    case = _make_case(401, world=world, s_local=-(-tokens // world), seq_len=tokens,
+                      heads=4 * world, gate=True, rope="half")
+    tiling = vidattn.VideoTiling(grid=grid, tile=(4, 4, 4))
+    results = []
+    for chunks in (1, 2, 4):
+        module = vidattn.DistributedAttention("vsa", tiling=tiling, topk=2, head_chunks=chunks)
+        results.append(_run_sharded(case, module, world, rank)[0])
+    for other in results[1:]:
+        for name, value in results[0].items():
+            assert torch.equal(value, other[name]), name
+    bad = vidattn.DistributedAttention("vsa", tiling=tiling, topk=2, head_chunks=3)
+    try:
+        _run_sharded(case, bad, world, rank)
+    except ValueError as e:
+        assert "head_chunks=3" in str(e)
+    else:
+        raise AssertionError("head_chunks=3 with 4 heads per rank did not raise")
+
+
 def _compile_check(rank, world):
     """fullgraph compile of a small model around the layer: zero graph breaks, same output
     and gradients as eager."""
@@ -314,6 +338,7 @@ TASKS = {
     "compile": _compile_check,
     "compile_vsa": _compile_vsa_check,
     "subgroup": _subgroup_parity,
+    "vsa_chunks": _vsa_head_chunks,
 }
 
 
@@ -365,7 +390,7 @@ def _spawn(world, tasks, backend="gloo"):
 @pytest.fixture(scope="module")
 def two_processes():
     return _spawn(2, ["parity", "heads_not_divisible", "compile"]
-                  + (["vsa", "vsa_bf16", "compile_vsa"] if HAVE_VSA else []))
+                  + (["vsa", "vsa_bf16", "vsa_chunks", "compile_vsa"] if HAVE_VSA else []))
 
 
 @pytest.fixture(scope="module")
@@ -405,6 +430,11 @@ def test_vsa_parity_two_processes(two_processes):
 @pytest.mark.skipif(not HAVE_VSA, reason="this build has no vidattn.video_sparse_attention")
 def test_vsa_parity_bfloat16_two_processes(two_processes):
     _assert_task(two_processes, "vsa_bf16")
+
+
+@pytest.mark.skipif(not HAVE_VSA, reason="this build has no vidattn.video_sparse_attention")
+def test_vsa_head_chunk_pipeline_changes_nothing(two_processes):
+    _assert_task(two_processes, "vsa_chunks")
 
 
 @pytest.mark.skipif(not HAVE_VSA, reason="this build has no vidattn.video_sparse_attention")
