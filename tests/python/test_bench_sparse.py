@@ -68,9 +68,11 @@ def test_block_sparse_specs_and_presets():
 
     suite = shapes.resolve(["gpu-suite"]).shapes
     kinds = [x.kind for x in suite]
-    assert kinds.count("dense") == 3 and kinds.count("blocksparse") == 5 and kinds.count("vsa") == 2
-    # vsa.md section 6: the Wan grids tile to 39,936 and 92,160 slots.
-    assert {(x.heads, x.q_len) for x in suite if x.kind == "vsa"} == {(12, 39936), (40, 92160)}
+    assert kinds.count("dense") == 4 and kinds.count("blocksparse") == 6 and kinds.count("vsa") == 3
+    # vsa.md section 6: the Wan grids tile to 39,936 and 92,160 slots; HunyuanVideo's 30 x 48
+    # x 80 (115,200 tokens) has T = 30, not a multiple of 4: 8 x 12 x 20 tiles = 122,880 slots.
+    assert {(x.heads, x.q_len) for x in suite if x.kind == "vsa"} == {
+        (12, 39936), (40, 92160), (24, 122880)}
     assert {x.sparsity for x in suite if x.kind == "vsa"} == {0.9}
 
 

@@ -128,18 +128,20 @@ PRESETS: dict[str, Preset] = {
         for heads, seq, name in ((12, 39936, "Wan2.1-1.3B 480p"), (40, 92160, "Wan2.1-14B 720p"))
         for sparsity in (0.875, 0.9)) + (block_sparse(1, 12, 32768, 128, 0.875),),
         dtypes=("bf16",), about="block-sparse fwd+bwd vs FlexAttention and FastVideo (GPU)"),
-    # Issue #4's side-by-side run: dense, block-sparse and the whole VSA op at the Wan shapes
-    # (plus targets.md's S=32768 H12 peer shape), each case against its peers.
+    # Issue #4's side-by-side run: dense, block-sparse and the whole VSA op at the shapes of
+    # vsa.md section 6 (plus targets.md's S=32768 H12 peer shape), each case against its peers.
     "gpu-suite": Preset(
         (dense(1, 12, 39936, 128, "Wan2.1-1.3B 480p"), dense(1, 40, 92160, 128, "Wan2.1-14B 720p"),
-         dense(1, 12, 32768, 128))
+         dense(1, 24, 115200, 128, "HunyuanVideo 720p"), dense(1, 12, 32768, 128))
         + tuple(block_sparse(1, heads, seq, 128, sparsity, name)
                 for heads, seq, name in ((12, 39936, "Wan2.1-1.3B 480p"),
                                          (40, 92160, "Wan2.1-14B 720p"))
                 for sparsity in (0.875, 0.9))
-        + (block_sparse(1, 12, 32768, 128, 0.875),
+        + (block_sparse(1, 24, 115200, 128, 0.9, "HunyuanVideo 720p"),
+           block_sparse(1, 12, 32768, 128, 0.875),
            vsa(1, 12, (21, 30, 52), 128, 0.9, "Wan2.1-1.3B 480p"),
-           vsa(1, 40, (21, 45, 80), 128, 0.9, "Wan2.1-14B 720p")),
+           vsa(1, 40, (21, 45, 80), 128, 0.9, "Wan2.1-14B 720p"),
+           vsa(1, 24, (30, 48, 80), 128, 0.9, "HunyuanVideo 720p")),
         dtypes=("bf16",), about="dense + block-sparse + whole VSA vs all peers (GPU, issue #4)"),
     "tiny-sparse": Preset((block_sparse(1, 3, 320, 32, 0.6),),
                           about="seconds; for tests of the block-sparse case"),
