@@ -11,10 +11,6 @@
 #include <cmath>
 #include <vector>
 
-#ifdef VIDATTN_TORCH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#endif
-
 #include "tensor_adapter.h"
 #include "vidattn/attention.h"
 
@@ -50,15 +46,6 @@ struct AttentionArgs {
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   bool varlen() const { return cu_seqlens_q.has_value(); }
 };
-
-// The stream the CUDA kernels run on: PyTorch's current stream of q's device.
-void* stream_of(const Tensor& q) {
-#ifdef VIDATTN_TORCH_CUDA
-  if (q.is_cuda()) return at::cuda::getCurrentCUDAStream(q.get_device()).stream();
-#endif
-  (void)q;
-  return nullptr;
-}
 
 AttentionOptions options_of(const AttentionArgs& a, const char* fn, const Tensor& q) {
   AttentionOptions o;

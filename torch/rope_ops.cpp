@@ -8,10 +8,6 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#ifdef VIDATTN_TORCH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#endif
-
 #include "tensor_adapter.h"
 #include "vidattn/rope.h"
 
@@ -29,10 +25,7 @@ RopeOptions rope_options(const Tensor& x, bool interleaved, bool transpose) {
   o.interleaved = interleaved;
   o.transpose = transpose;
   o.num_threads = at::get_num_threads();
-#ifdef VIDATTN_TORCH_CUDA
-  if (x.is_cuda()) o.stream = at::cuda::getCurrentCUDAStream(x.get_device()).stream();
-#endif
-  (void)x;
+  o.stream = stream_of(x);
   return o;
 }
 

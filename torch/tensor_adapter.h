@@ -2,7 +2,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
+
+#ifdef VIDATTN_TORCH_CUDA
+#include <ATen/cuda/CUDAContext.h>
+#endif
 
 #include <optional>
 #include <string>
@@ -82,6 +87,30 @@ decltype(auto) translate_errors(F&& f) {
   } catch (const vidattn::NotImplementedError& e) {
     TORCH_CHECK_NOT_IMPLEMENTED(false, e.what());
   }
+}
+
+// The stream the CUDA kernels run on: PyTorch's current stream of t's device (null for CPU).
+inline void* stream_of(const at::Tensor& t) {
+#ifdef VIDATTN_TORCH_CUDA
+  if (t.is_cuda()) return at::cuda::getCurrentCUDAStream(t.get_device()).stream();
+#endif
+  (void)t;
+  return nullptr;
+}
+
+// An op of this library by its schema name, typed (for calls from autograd functions).
+template <class Signature>
+auto find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
+}
+
+// Index arguments must be int32; say so before the generic dtype mapping does.
+inline void require_int32(const at::Tensor& t, const char* fn, const char* name) {
+  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, fn, ": argument '", name,
+                   "' must have dtype int32, got ", t.scalar_type());
+}
+inline void require_int32(const std::optional<at::Tensor>& t, const char* fn, const char* name) {
+  if (t && t->defined()) require_int32(*t, fn, name);
 }
 
 }  // namespace vidattn::torch_ops

@@ -7,10 +7,6 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#ifdef VIDATTN_TORCH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#endif
-
 #include "tensor_adapter.h"
 #include "vidattn/vsa_combine.h"
 
@@ -21,19 +17,6 @@ using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-void* stream_of(const Tensor& t) {
-#ifdef VIDATTN_TORCH_CUDA
-  if (t.is_cuda()) return at::cuda::getCurrentCUDAStream(t.get_device()).stream();
-#endif
-  (void)t;
-  return nullptr;
-}
-
-void require_int32(const Tensor& t, const char* fn, const char* name) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, fn, ": argument '", name,
-                   "' must have dtype int32, got ", t.scalar_type());
-}
 
 bool has(const OptTensor& t) { return t && t->defined(); }
 
@@ -89,11 +72,6 @@ std::tuple<Tensor, Tensor> vsa_combine_backward_meta(const Tensor& grad_out,
   return std::make_tuple(at::empty_symint(coarse.sym_sizes(), coarse.options()), grad_gate);
 }
 
-template <class Signature>
-auto find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
 class VsaCombineFunction : public torch::autograd::Function<VsaCombineFunction> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& fine, const Tensor& coarse,
@@ -134,16 +112,15 @@ TORCH_LIBRARY_FRAGMENT(vidattn, m) {
         tags);
 }
 
-TORCH_LIBRARY_IMPL(vidattn, CPU, m) {
+// The same kernels serve CPU and CUDA tensors (the core dispatches on the device).
+static void impl_combine_kernels(torch::Library& m) {
   m.impl("vsa_combine", &vsa_combine_kernel);
   m.impl("vsa_combine_backward", &vsa_combine_backward_kernel);
 }
 
+TORCH_LIBRARY_IMPL(vidattn, CPU, m) { impl_combine_kernels(m); }
 #ifdef VIDATTN_TORCH_CUDA
-TORCH_LIBRARY_IMPL(vidattn, CUDA, m) {
-  m.impl("vsa_combine", &vsa_combine_kernel);
-  m.impl("vsa_combine_backward", &vsa_combine_backward_kernel);
-}
+TORCH_LIBRARY_IMPL(vidattn, CUDA, m) { impl_combine_kernels(m); }
 #endif
 
 TORCH_LIBRARY_IMPL(vidattn, Meta, m) {

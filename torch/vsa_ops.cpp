@@ -10,10 +10,6 @@
 
 #include <vector>
 
-#ifdef VIDATTN_TORCH_CUDA
-#include <ATen/cuda/CUDAContext.h>
-#endif
-
 #include "tensor_adapter.h"
 #include "vidattn/vsa.h"
 
@@ -26,29 +22,6 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 int threads() { return at::get_num_threads(); }
-
-// The stream the CUDA kernels run on: PyTorch's current stream of t's device (null for CPU).
-void* stream_of(const Tensor& t) {
-#ifdef VIDATTN_TORCH_CUDA
-  if (t.is_cuda()) return at::cuda::getCurrentCUDAStream(t.get_device()).stream();
-#endif
-  (void)t;
-  return nullptr;
-}
-
-template <class Signature>
-auto find_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
-}
-
-// Index arguments must be int32; say so before the generic dtype mapping does.
-void require_int32(const Tensor& t, const char* fn, const char* name) {
-  TORCH_CHECK_TYPE(t.scalar_type() == at::kInt, fn, ": argument '", name,
-                   "' must have dtype int32, got ", t.scalar_type());
-}
-void require_int32(const OptTensor& t, const char* fn, const char* name) {
-  if (t && t->defined()) require_int32(*t, fn, name);
-}
 
 Tensor int32_empty(c10::SymIntArrayRef shape, const Tensor& like) {
   return at::empty_symint(shape, like.options().dtype(at::kInt));
@@ -550,7 +523,9 @@ TORCH_LIBRARY_IMPL(vidattn, CompositeExplicitAutograd, m) {
   m.impl("vsa_tiling_metadata", &tiling_metadata_kernel);
 }
 
-TORCH_LIBRARY_IMPL(vidattn, CPU, m) {
+// The same kernels serve CPU and CUDA tensors: the core dispatches on the tensors' device
+// (on PyTorch's current stream for CUDA), so one list registers both keys.
+static void impl_device_kernels(torch::Library& m) {
   m.impl("gather_tokens", &gather_tokens_kernel);
   m.impl("tile_mean_pool", &tile_mean_pool_kernel);
   m.impl("tile_mean_pool_backward", &tile_mean_pool_backward_kernel);
@@ -561,18 +536,9 @@ TORCH_LIBRARY_IMPL(vidattn, CPU, m) {
   m.impl("block_sparse_attention_backward", &block_sparse_backward_kernel);
 }
 
+TORCH_LIBRARY_IMPL(vidattn, CPU, m) { impl_device_kernels(m); }
 #ifdef VIDATTN_TORCH_CUDA
-// The coarse-stage kernels: the core dispatches on the tensors' device, on the current stream.
-TORCH_LIBRARY_IMPL(vidattn, CUDA, m) {
-  m.impl("gather_tokens", &gather_tokens_kernel);
-  m.impl("tile_mean_pool", &tile_mean_pool_kernel);
-  m.impl("tile_mean_pool_backward", &tile_mean_pool_backward_kernel);
-  m.impl("topk_tiles", &topk_tiles_kernel);
-  m.impl("topk_tiles_from_scores", &topk_tiles_from_scores_kernel);
-  m.impl("block_sparse_attention", &block_sparse_attention_kernel);
-  m.impl("block_sparse_transpose_index", &transpose_index_kernel);
-  m.impl("block_sparse_attention_backward", &block_sparse_backward_kernel);
-}
+TORCH_LIBRARY_IMPL(vidattn, CUDA, m) { impl_device_kernels(m); }
 #endif
 
 TORCH_LIBRARY_IMPL(vidattn, Meta, m) {
