@@ -26,6 +26,16 @@ using vidattn::DType;
 using vidattn::TensorView;
 
 inline constexpr double kInf = std::numeric_limits<double>::infinity();
+inline constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// n standard-normal doubles from a seeded generator.
+inline std::vector<double> random_vector(std::size_t n, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<double> dist;
+  std::vector<double> v(n);
+  for (double& x : v) x = dist(gen);
+  return v;
+}
 
 // ---- number formats ---------------------------------------------------------------------
 

@@ -9,6 +9,7 @@
 #include <random>
 #include <vector>
 
+#include "attention_test_util.h"
 #include "vidattn/vidattn.h"
 
 namespace {
@@ -16,15 +17,8 @@ namespace {
 using vidattn::DType;
 using vidattn::make_view;
 
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-std::vector<double> random_vector(std::size_t n, unsigned seed) {
-  std::mt19937 gen(seed);
-  std::normal_distribution<double> dist;
-  std::vector<double> v(n);
-  for (double& x : v) x = dist(gen);
-  return v;
-}
+using vidattn_test::kNaN;
+using vidattn_test::random_vector;
 
 TEST(VsaCombine, ForwardAndBackwardWriteEveryElement) {
   const std::int64_t B = 2, T = 3, V = 64, H = 2, D = 8, S = T * V;
