@@ -12,14 +12,14 @@ backward: dq, dk, dv), so a peer that computes something else shows a large erro
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import peers
-from .cases import Case, Impl, missing_vidattn_op
+from .cases import Case, Impl, QkvLayoutInputs, missing_vidattn_op
 from .peers import selection_to_dense_mask  # noqa: F401  (part of this case's API)
 from .reference import RefScope
 from .shapes import BLOCK_SPARSE_TILE, Shape
@@ -98,7 +98,7 @@ def block_sparse_reference(q, k, v, index, count, tile: int, scale: Optional[flo
 
 
 @dataclass(frozen=True)
-class BlockSparseInputs:
+class BlockSparseInputs(QkvLayoutInputs):
     q: torch.Tensor  # [B, S, H, D], S a multiple of the tile
     k: torch.Tensor
     v: torch.Tensor
@@ -110,19 +110,6 @@ class BlockSparseInputs:
     # Derived objects (BlockMask, block sizes) built once per group, outside the timed calls;
     # shared by the copies that requiring_grad / in_layout make.
     memo: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def differentiable(self):
-        return self.q, self.k, self.v
-
-    def requiring_grad(self) -> "BlockSparseInputs":
-        return replace(self, q=self.q.detach().requires_grad_(),
-                       k=self.k.detach().requires_grad_(), v=self.v.detach().requires_grad_())
-
-    def in_layout(self, layout: str) -> "BlockSparseInputs":
-        from .cases import to_layout
-
-        return replace(self, q=to_layout(self.q, layout), k=to_layout(self.k, layout),
-                       v=to_layout(self.v, layout))
 
     def cached(self, key: str, build):
         if key not in self.memo:

@@ -25,21 +25,34 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
           "fp64": torch.float64}
 
 
+class QkvInputs:
+    """What every case's inputs (a frozen dataclass with fields q, k, v) share: q, k, v are
+    the differentiable tensors."""
+
+    def differentiable(self) -> tuple[torch.Tensor, ...]:
+        return self.q, self.k, self.v
+
+    def requiring_grad(self):
+        """Fresh leaves with ``requires_grad``, so every implementation gets its own graph."""
+        return replace(self, q=self.q.detach().requires_grad_(),
+                       k=self.k.detach().requires_grad_(), v=self.v.detach().requires_grad_())
+
+
+class QkvLayoutInputs(QkvInputs):
+    """Inputs that peers may take in another memory layout (see ``to_layout``)."""
+
+    def in_layout(self, layout: str):
+        return replace(self, q=to_layout(self.q, layout), k=to_layout(self.k, layout),
+                       v=to_layout(self.v, layout))
+
+
 @dataclass(frozen=True)
-class DenseInputs:
+class DenseInputs(QkvInputs):
     q: torch.Tensor  # [B, Sq, H, D]
     k: torch.Tensor  # [B, Sk, H, D]
     v: torch.Tensor  # [B, Sk, H, D]
     causal: bool
     scale: Optional[float] = None
-
-    def differentiable(self) -> tuple[torch.Tensor, ...]:
-        return self.q, self.k, self.v
-
-    def requiring_grad(self) -> "DenseInputs":
-        """Fresh leaves with ``requires_grad``, so every implementation gets its own graph."""
-        return replace(self, q=self.q.detach().requires_grad_(),
-                       k=self.k.detach().requires_grad_(), v=self.v.detach().requires_grad_())
 
 
 def to_layout(t: torch.Tensor, layout: str) -> torch.Tensor:

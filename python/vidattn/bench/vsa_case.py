@@ -14,20 +14,20 @@ slots only.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from . import peers
-from .cases import Case, Impl, SdpaDense, missing_vidattn_op, to_layout
+from .cases import Case, Impl, QkvLayoutInputs, SdpaDense, missing_vidattn_op
 from .blocksparse_case import block_sparse_reference
 from .reference import RefScope
 from .shapes import Shape
 
 
 @dataclass(frozen=True)
-class VsaInputs:
+class VsaInputs(QkvLayoutInputs):
     q: torch.Tensor  # tiled [B, padded_len, H, D], zeros in pad slots
     k: torch.Tensor
     v: torch.Tensor
@@ -36,17 +36,6 @@ class VsaInputs:
     scale: Optional[float] = None
     causal: bool = False  # for the dense peers' code path
     memo: dict = field(default_factory=dict, compare=False, repr=False)
-
-    def differentiable(self):
-        return self.q, self.k, self.v
-
-    def requiring_grad(self) -> "VsaInputs":
-        return replace(self, q=self.q.detach().requires_grad_(),
-                       k=self.k.detach().requires_grad_(), v=self.v.detach().requires_grad_())
-
-    def in_layout(self, layout: str) -> "VsaInputs":
-        return replace(self, q=to_layout(self.q, layout), k=to_layout(self.k, layout),
-                       v=to_layout(self.v, layout))
 
     def slot_mask(self) -> torch.Tensor:
         """bool [B, padded_len]: True where a slot holds a token."""
