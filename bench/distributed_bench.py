@@ -52,6 +52,12 @@ def parse_args(argv):
     p.add_argument("--sparsity", type=float, default=0.9, help="VSA sparsity")
     p.add_argument("--tile", default="4x4x4", help="VSA tile")
     p.add_argument("--no-rope", action="store_true", help="skip RoPE in the layer")
+    p.add_argument("--head-chunks", default="",
+                   help="VSA: comma list of DistributedAttention head_chunks to time on 2 GPUs "
+                        "(default: the layer's default)")
+    p.add_argument("--sm-margins", default="",
+                   help="VSA: comma list of DistributedAttention sm_margin values to time on "
+                        "2 GPUs (default: the layer's default)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--check", action="store_true",
@@ -100,12 +106,22 @@ class Bench:
         self.rows = slice(self.rank * n, (self.rank + 1) * n)
 
     # -- layers and inputs ----------------------------------------------------------------
-    def layer(self, case, group):
+    def layer(self, case, group, config=None):
         if case == "dense":
             return vidattn.DistributedAttention("dense", group=group)
         tiling = vidattn.VideoTiling(grid=self.grid, tile=dims(self.args.tile), device=self.device)
         return vidattn.DistributedAttention("vsa", group=group, tiling=tiling,
-                                            sparsity=self.args.sparsity)
+                                            sparsity=self.args.sparsity, **(config or {}))
+
+    def configs(self, case):
+        """The 2-GPU layer settings to time: the defaults, or the --head-chunks x
+        --sm-margins sweep for VSA."""
+        if case != "vsa":
+            return [{}]
+        chunks = [int(c) for c in self.args.head_chunks.split(",") if c] or [None]
+        margins = [int(m) for m in self.args.sm_margins.split(",") if m] or [None]
+        return [{k: v for k, v in (("head_chunks", c), ("sm_margin", m)) if v is not None}
+                for c in chunks for m in margins]
 
     def inputs(self, case, sharded, requires_grad):
         rows = self.rows if sharded else slice(None)
@@ -126,9 +142,9 @@ class Bench:
             return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         return None
 
-    def time_ms(self, case, direction, sharded, group):
+    def time_ms(self, case, direction, sharded, group, config=None):
         """Median ms of one forward (no_grad) or one backward on this rank."""
-        layer = self.layer(case, group)
+        layer = self.layer(case, group, config)
         grad_out = self.grad_out[:, self.rows] if sharded else self.grad_out
         times = []
         for it in range(self.args.warmup + self.args.iters):
@@ -166,19 +182,23 @@ class Bench:
         return (time.perf_counter() - t0) * 1e3
 
     def measure(self, case, direction):
+        """One row per 2-GPU configuration, all against one 1-GPU time."""
         one_gpu = None
         if self.rank == 0:
             one_gpu = self.time_ms(case, direction, sharded=False, group=self.solo)
         dist.barrier()
-        two_gpu = torch.tensor([self.time_ms(case, direction, sharded=True, group=None)],
-                               dtype=torch.float64, device=self.device)
-        dist.all_reduce(two_gpu, op=dist.ReduceOp.MAX)  # the slower rank sets the pace
-        dist.barrier()
-        if self.rank != 0:
-            return None
-        t2 = two_gpu.item()
-        return {"case": case, "direction": direction, "time_1gpu_ms": one_gpu,
-                "time_2gpu_ms": t2, "efficiency": one_gpu / (2 * t2)}
+        rows = []
+        for config in self.configs(case):
+            two_gpu = torch.tensor(
+                [self.time_ms(case, direction, sharded=True, group=None, config=config)],
+                dtype=torch.float64, device=self.device)
+            dist.all_reduce(two_gpu, op=dist.ReduceOp.MAX)  # the slower rank sets the pace
+            dist.barrier()
+            t2 = two_gpu.item()
+            rows.append({"case": case, "direction": direction, "layer_config": config,
+                         "time_1gpu_ms": one_gpu, "time_2gpu_ms": t2,
+                         "efficiency": None if one_gpu is None else one_gpu / (2 * t2)})
+        return rows if self.rank == 0 else []
 
     def unsupported(self, case):
         """None when this build runs `case` at this dtype / head dim on the device, else the
@@ -264,12 +284,11 @@ def main(argv=None):
                     print(json.dumps(report["checks"][-1]), flush=True)
         for case in cases:
             for direction in directions:
-                row = bench.measure(case, direction)
-                if row:
+                for row in bench.measure(case, direction):
                     report["rows"].append(row)
-                    print(f"{case:6s} {direction}: 1 GPU {row['time_1gpu_ms']:9.2f} ms   "
-                          f"2 GPUs {row['time_2gpu_ms']:9.2f} ms   efficiency "
-                          f"{row['efficiency']:.3f}", flush=True)
+                    print(f"{case:6s} {direction} {row['layer_config'] or ''}: 1 GPU "
+                          f"{row['time_1gpu_ms']:9.2f} ms   2 GPUs {row['time_2gpu_ms']:9.2f} ms"
+                          f"   efficiency {row['efficiency']:.3f}", flush=True)
         if bench.rank == 0:
             try:
                 from vidattn.bench.environment import metadata

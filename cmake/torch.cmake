@@ -37,7 +37,8 @@ if(VIDATTN_HAVE_CUDA_SOURCES AND VIDATTN_TORCH_CUDA_VERSION
    AND EXISTS ${VIDATTN_TORCH_DIR}/lib/libtorch_cuda.so
    AND EXISTS ${VIDATTN_TORCH_DIR}/lib/libc10_cuda.so)
   message(STATUS "vidattn: op library registers CUDA kernels (torch CUDA ${VIDATTN_TORCH_CUDA_VERSION})")
-  target_compile_definitions(vidattn_torch PRIVATE VIDATTN_TORCH_CUDA=1)
+  # VIDATTN_WITH_CUDA: the core's CUDA entry points (src/core/backends.h) for the private ops.
+  target_compile_definitions(vidattn_torch PRIVATE VIDATTN_TORCH_CUDA=1 VIDATTN_WITH_CUDA=1)
   target_link_libraries(vidattn_torch PRIVATE
     ${VIDATTN_TORCH_DIR}/lib/libtorch_cuda.so
     ${VIDATTN_TORCH_DIR}/lib/libc10_cuda.so

@@ -61,6 +61,13 @@ def main() -> None:
     res["dense_fwd_tflops"] = 4.0 * B * H * S * S * D / res["dense_fwd_ms"] * 1e-9
     res["dense_bwd_tflops"] = 2.5 * 4.0 * B * H * S * S * D / res["dense_bwd_ms"] * 1e-9
     res["sparse_fwd_speedup_vs_dense"] = res["dense_fwd_ms"] / res["sparse_fwd_ms"]
+    # What leaving SMs to concurrent kernels (sm_margin, for sequence parallelism) costs alone.
+    for margin in (0, 8, 16, 32):
+        ms = triton.testing.do_bench(
+            lambda: ops.block_sparse_attention(q, k, v, idx, cnt, tile_volume=V,
+                                               validate_index=False, sm_margin=margin),
+            return_mode="median")
+        res[f"sparse_fwd_tflops_sm_margin_{margin}"] = fwd_flops / ms * 1e-9
     print(json.dumps(res, indent=1))
     if len(sys.argv) > 1:
         with open(sys.argv[1], "w") as f:

@@ -5,7 +5,9 @@
 # benchmarks; leaves logs and JSON under $OUT (default ./gpu-run) and prints a summary.
 #
 #   OUT=/tmp/run bash tools/gpu_runner.sh            # everything
-#   STAGES="build pytest" bash tools/gpu_runner.sh   # a subset (build pytest cpp sanitizer bench bench_dense distributed)
+#   STAGES="build pytest" bash tools/gpu_runner.sh   # a subset (build pytest cpp sanitizer bench
+#                                                    # bench_dense bench_sparse profile distributed)
+#   DIST_ARGS="--cases vsa --sm-margins 0,16" selects the distributed bench's arguments.
 #   PYTEST_ARGS="-k cuda" bash tools/gpu_runner.sh   # extra pytest arguments
 #   CMAKE_ARGS="-DVIDATTN_CUDA_TARGETS=90a" bash tools/gpu_runner.sh   # extra configure arguments
 #   VIDATTN_GIT_COMMIT=<hash> names the commit in the bench JSON when the tree has no .git
@@ -108,13 +110,23 @@ if [ $BUILD_OK = 1 ]; then
     if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
       NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
         stage distributed ${DIST_TIMEOUT:-240} $PYTHON -m torch.distributed.run --nproc_per_node 2 \
-        bench/distributed_bench.py --check --out "$OUT/distributed.json"
+        bench/distributed_bench.py ${DIST_ARGS:---check} --out "$OUT/distributed.json"
     else
       echo "=== distributed: skipped (needs 2 GPUs)"
     fi
   fi
   if has bench_dense; then
     stage bench_dense 200 $PYTHON tools/bench_dense_cuda.py "$OUT/bench_dense_cuda.json"
+  fi
+  if has bench_sparse; then
+    stage bench_sparse 200 $PYTHON tools/bench_block_sparse_cuda.py "$OUT/bench_block_sparse_cuda.json"
+  fi
+  if has profile; then
+    # Nsight Compute on one launch of the dense and the block-sparse sm_90a forward.
+    stage profile 300 ncu --profile-from-start off --set full --kernel-name regex:sm90 \
+      -o "$LOGS/sm90_profile" $PYTHON tools/profile_sm90.py
+    ncu --import "$LOGS/sm90_profile.ncu-rep" --page details >"$OUT/sm90_profile.txt" 2>&1
+    cp "$LOGS/sm90_profile.ncu-rep" "$OUT/" 2>/dev/null
   fi
 fi
 

@@ -11,20 +11,9 @@
 #include <cmath>
 #include <vector>
 
+#include "../src/core/backends.h"  // the sm_90a entry and launch counter of the private ops
 #include "tensor_adapter.h"
 #include "vidattn/attention.h"
-
-namespace vidattn::detail {
-std::int64_t sm90_forward_launch_count() noexcept;  // src/core/attention.cpp
-#ifdef VIDATTN_TORCH_CUDA
-bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
-                                    const TensorView& v, const TensorView& out,
-                                    const TensorView& lse, const TensorView& q2k_index,
-                                    const TensorView& q2k_count,
-                                    const TensorView* kv_block_sizes, int tile_volume,
-                                    double scale, void* stream);  // src/cuda/sm90
-#endif
-}  // namespace vidattn::detail
 
 namespace vidattn::torch_ops {
 namespace {
@@ -312,7 +301,7 @@ std::tuple<Tensor, Tensor> block_sparse_forward_sm90_kernel(
         view_of(q, fn, "q"), view_of(k, fn, "k"), view_of(v, fn, "v"), view_of(out, fn, "out"),
         view_of(lse, fn, "lse"), view_of(q2k_index, fn, "q2k_index"),
         view_of(q2k_count, fn, "q2k_count"), &kv_sizes,
-        static_cast<int>(tile_volume), sc, stream_of(q));
+        static_cast<int>(tile_volume), sc, /*sm_margin=*/0, stream_of(q));
     TORCH_CHECK(launched, fn, ": needs an sm_90 GPU, a build with sm_90a kernels, "
                 "VIDATTN_DISABLE_SM90 unset and 16-byte aligned views");
     return std::make_tuple(out, lse);

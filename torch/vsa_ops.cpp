@@ -8,6 +8,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "tensor_adapter.h"
@@ -282,6 +283,7 @@ struct SparseArgs {
   std::optional<double> scale;
   bool deterministic = true;
   bool validate_index = true;
+  int64_t sm_margin = 0;
 };
 
 BlockSparseOptions options_of(const SparseArgs& a, const char* fn, const Tensor& q) {
@@ -293,6 +295,7 @@ BlockSparseOptions options_of(const SparseArgs& a, const char* fn, const Tensor&
   o.scale = a.scale;
   o.deterministic = a.deterministic;
   o.validate_index = a.validate_index;
+  o.sm_margin = static_cast<int>(std::clamp<int64_t>(a.sm_margin, -1, 1 << 20));
   o.num_threads = threads();
   return o;
 }
@@ -301,7 +304,7 @@ std::tuple<Tensor, Tensor> block_sparse_attention_kernel(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q2k_index,
     const Tensor& q2k_count, int64_t tile_volume, const OptTensor& q_block_sizes,
     const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic,
-    bool validate_index) {
+    bool validate_index, int64_t sm_margin) {
   constexpr const char* fn = "vidattn.block_sparse_attention";
   const at::OptionalDeviceGuard device_guard(at::device_of(q));  // run on the inputs' device
   require_int32(q2k_index, fn, "q2k_index");
@@ -310,7 +313,7 @@ std::tuple<Tensor, Tensor> block_sparse_attention_kernel(
   require_int32(kv_block_sizes, fn, "kv_block_sizes");
   return translate_errors([&] {
     const SparseArgs a{tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic,
-                       validate_index};
+                       validate_index, sm_margin};
     const TensorView qv = view_of(q, fn, "q"), kv = view_of(k, fn, "k"), vv = view_of(v, fn, "v");
     const TensorView iv = view_of(q2k_index, fn, "q2k_index"), cv = view_of(q2k_count, fn, "q2k_count");
     const BlockSparseOptions o = options_of(a, fn, q);
@@ -327,7 +330,7 @@ std::tuple<Tensor, Tensor> block_sparse_attention_meta(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q2k_index,
     const Tensor& q2k_count, int64_t tile_volume, const OptTensor& q_block_sizes,
     const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic,
-    bool validate_index) {
+    bool validate_index, int64_t sm_margin) {
   constexpr const char* fn = "vidattn.block_sparse_attention";
   require_int32(q2k_index, fn, "q2k_index");
   require_int32(q2k_count, fn, "q2k_count");
@@ -340,7 +343,7 @@ std::tuple<Tensor, Tensor> block_sparse_attention_meta(
       is_concrete(q2k_count))
     translate_errors([&] {
       const SparseArgs a{tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic,
-                       validate_index};
+                       validate_index, sm_margin};
       describe_block_sparse_attention(view_of(q, fn, "q"), view_of(k, fn, "k"), view_of(v, fn, "v"),
                                       view_of(q2k_index, fn, "q2k_index"),
                                       view_of(q2k_count, fn, "q2k_count"), options_of(a, fn, q));
@@ -436,7 +439,8 @@ class BlockSparseFunction : public torch::autograd::Function<BlockSparseFunction
     {
       at::AutoDispatchBelowADInplaceOrView guard;
       std::tie(out, lse) = op.call(q, k, v, q2k_index, q2k_count, a.tile_volume, a.q_block_sizes,
-                                   a.kv_block_sizes, a.scale, a.deterministic, a.validate_index);
+                                   a.kv_block_sizes, a.scale, a.deterministic, a.validate_index,
+                                   a.sm_margin);
     }
     ctx->save_for_backward({q, k, v, out, lse, q2k_index, q2k_count});
     ctx->saved_data["tile_volume"] = a.tile_volume;
@@ -474,11 +478,11 @@ std::tuple<Tensor, Tensor> block_sparse_attention_autograd(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q2k_index,
     const Tensor& q2k_count, int64_t tile_volume, const OptTensor& q_block_sizes,
     const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic,
-    bool validate_index) {
+    bool validate_index, int64_t sm_margin) {
   auto r = BlockSparseFunction::apply(
       q, k, v, q2k_index, q2k_count,
       SparseArgs{tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic,
-                 validate_index});
+                 validate_index, sm_margin});
   return std::make_tuple(r[0], r[1]);
 }
 
@@ -501,7 +505,8 @@ TORCH_LIBRARY_FRAGMENT(vidattn, m) {
   m.def(
       "block_sparse_attention(Tensor q, Tensor k, Tensor v, Tensor q2k_index, Tensor q2k_count, *, "
       "int tile_volume=64, Tensor? q_block_sizes=None, Tensor? kv_block_sizes=None, "
-      "float? scale=None, bool deterministic=True, bool validate_index=True) -> "
+      "float? scale=None, bool deterministic=True, bool validate_index=True, int sm_margin=0) "
+      "-> "
       "(Tensor out, Tensor lse)",
       tags);
   m.def(

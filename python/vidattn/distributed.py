@@ -19,6 +19,9 @@ from ._attention import attention
 from .rope import apply_rope
 
 _BACKENDS = ("dense", "vsa")
+# SMs the Hopper sparse kernel leaves to NCCL while the VSA pipeline overlaps them: a persistent
+# kernel on every SM keeps the all-to-all kernels from starting until it ends.
+_PIPELINE_SM_MARGIN = 16
 
 
 def _group_size_and_rank(group) -> tuple[int, int]:
@@ -94,7 +97,7 @@ class DistributedAttention(torch.nn.Module):
     """Sequence-parallel attention (dense or VSA) over a ``torch.distributed`` group.
 
     ``DistributedAttention(backend="dense", *, group=None, scale=None, interleaved_rope=True,
-    tiling=None, topk=None, sparsity=None)``
+    tiling=None, topk=None, sparsity=None, head_chunks=None, sm_margin=None)``
 
     ``forward(q, k, v, *, seq_len=None, cos=None, sin=None, replicated_q=None,
     replicated_k=None, replicated_v=None, gate=None)``
@@ -131,17 +134,22 @@ class DistributedAttention(torch.nn.Module):
     the video grid only). VSA is fast enough for the all-to-alls to show, so the layer
     pipelines it over ``head_chunks`` groups of this rank's heads (default 2 where they split
     evenly): chunk c + 1 travels while chunk c is computed, and chunk c's output travels back
-    while chunk c + 1 is computed. Heads are independent, so the result is the same.
+    while chunk c + 1 is computed. Heads are independent, so the result is the same. For the
+    all-to-alls to run alongside the sparse kernel it leaves ``sm_margin`` SMs free (see
+    :func:`vidattn.block_sparse_attention`; default 16 while pipelining, else 0).
 
     World size 1 (or torch.distributed not initialized) runs with no collective.
     """
 
     def __init__(self, backend: str = "dense", *, group=None, scale: Optional[float] = None,
                  interleaved_rope: bool = True, tiling=None, topk: Optional[int] = None,
-                 sparsity: Optional[float] = None, head_chunks: Optional[int] = None):
+                 sparsity: Optional[float] = None, head_chunks: Optional[int] = None,
+                 sm_margin: Optional[int] = None):
         super().__init__()
         if head_chunks is not None and int(head_chunks) < 1:
             raise ValueError(f"DistributedAttention: head_chunks must be >= 1, got {head_chunks}")
+        if sm_margin is not None and int(sm_margin) < 0:
+            raise ValueError(f"DistributedAttention: sm_margin must be >= 0, got {sm_margin}")
         if backend not in _BACKENDS:
             raise ValueError(f"DistributedAttention: backend must be 'dense' or 'vsa', got "
                              f"{backend!r}")
@@ -163,6 +171,7 @@ class DistributedAttention(torch.nn.Module):
         self.topk = topk
         self.sparsity = sparsity
         self.head_chunks = None if head_chunks is None else int(head_chunks)
+        self.sm_margin = None if sm_margin is None else int(sm_margin)
 
     def extra_repr(self) -> str:
         extra = f", tiling={self.tiling!r}" if self.backend == "vsa" else ""
@@ -266,7 +275,7 @@ class DistributedAttention(torch.nn.Module):
             out = video_sparse_attention(
                 tiling.tile(q), tiling.tile(k), tiling.tile(v), tiling=tiling, topk=self.topk,
                 sparsity=self.sparsity, gate=None if gate is None else tiling.tile(gate),
-                scale=self.scale)
+                scale=self.scale, sm_margin=self.sm_margin or 0)
             out = tiling.untile(out)
 
         if seq_len != padded:
@@ -298,6 +307,7 @@ class DistributedAttention(torch.nn.Module):
         widths = [x.shape[2] // world // chunks * x.shape[3] for x in sharded]
         # Every chunk's all-to-all is issued up front: NCCL runs them in order while the
         # compute stream works on the chunks already received.
+        sm_margin = _PIPELINE_SM_MARGIN if self.sm_margin is None else self.sm_margin
         pending = []
         for c in range(chunks):
             parts = [x.reshape(b, s_local, world, chunks, w)[:, :, :, c].permute(2, 0, 1, 3)
@@ -318,7 +328,7 @@ class DistributedAttention(torch.nn.Module):
             out = video_sparse_attention(
                 tiling.tile(q), tiling.tile(k), tiling.tile(v), tiling=tiling, topk=self.topk,
                 sparsity=self.sparsity, gate=None if gate is None else tiling.tile(gate),
-                scale=self.scale)
+                scale=self.scale, sm_margin=sm_margin)
             out = tiling.untile(out)
             if seq_len != padded:
                 out = F.pad(out, (0, 0, 0, 0, 0, padded - seq_len))

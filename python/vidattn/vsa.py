@@ -140,6 +140,7 @@ def block_sparse_attention(
     deterministic: bool = True,
     return_lse: bool = False,
     validate_index: bool = True,
+    sm_margin: int = 0,
 ):
     """Attention of each query tile over its selected key tiles only.
 
@@ -157,11 +158,16 @@ def block_sparse_attention(
     raises ``ValueError``. On CUDA the check runs on the device and waits for its verdict (one
     host synchronisation; skipped inside CUDA-graph capture); ``validate_index=False`` skips it
     for an index known to be valid (kernels never read out of bounds either way).
+
+    ``sm_margin``: streaming multiprocessors the persistent Hopper forward kernel leaves free
+    so that kernels on other streams (e.g. NCCL collectives) run alongside it; 0 uses all of
+    them. Other devices ignore it.
     """
     out, lse = _ops.block_sparse_attention(
         q, k, v, q2k_index, q2k_count, tile_volume=int(tile_volume),
         q_block_sizes=q_block_sizes, kv_block_sizes=kv_block_sizes, scale=scale,
-        deterministic=bool(deterministic), validate_index=bool(validate_index))
+        deterministic=bool(deterministic), validate_index=bool(validate_index),
+        sm_margin=int(sm_margin))
     return (out, lse) if return_lse else out
 
 
@@ -210,6 +216,7 @@ def video_sparse_attention(
     gate: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     return_selection: bool = False,
+    sm_margin: int = 0,
 ):
     """Video Sparse Attention on tiled ``[B, S, H, D]`` tensors.
 
@@ -224,7 +231,7 @@ def video_sparse_attention(
     (cross attention); both need the same tile volume. Packed tilings need B == 1 and the
     same number of videos. ``gate`` has q's shape. Gradients flow to q, k, v and gate (the
     selection is a constant). With ``return_selection`` also returns ``(q2k_index,
-    q2k_count)``.
+    q2k_count)``. ``sm_margin`` is passed to the fine branch (see ``block_sparse_attention``).
     """
     kv_tiling = tiling if kv_tiling is None else kv_tiling
     if not isinstance(tiling, VideoTiling) or not isinstance(kv_tiling, VideoTiling):
@@ -272,7 +279,8 @@ def video_sparse_attention(
     o_s, _ = _ops.block_sparse_attention(
         q, k, v, q2k_index, q2k_count, tile_volume=volume, q_block_sizes=tiling.block_sizes,
         kv_block_sizes=kv_tiling.block_sizes, scale=scale,
-        validate_index=False)  # built by topk_tiles just above: valid by construction
+        validate_index=False,  # built by topk_tiles just above: valid by construction
+        sm_margin=int(sm_margin))
     # out = o_s + gate * (o_c on each tile's valid slots), in one pass.
     out = _ops.vsa_combine(o_s, o_c, gate, tiling.block_sizes, volume)
     return (out, (q2k_index, q2k_count)) if return_selection else out

@@ -43,7 +43,7 @@ bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
                                     const TensorView& lse, const TensorView& q2k_index,
                                     const TensorView& q2k_count,
                                     const TensorView* kv_block_sizes, int tile_volume,
-                                    double scale, void* stream);
+                                    double scale, int sm_margin, void* stream);
 #endif
 
 // Launches of the sm_90a (Hopper) forward kernels so far in this process: lets tests check

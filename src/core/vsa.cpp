@@ -382,6 +382,7 @@ BlockSparseProblem describe_sparse(const char* fn, const TensorView& q, const Te
   const ArgChecker check(fn);
   BlockSparseProblem p;
   tile_volume_ok(check, o.tile_volume);
+  if (o.sm_margin < 0) check.fail("argument 'sm_margin' must be >= 0, got ", o.sm_margin);
   check.ndim(q, "q", 4, "[B, Sq, Hq, D]");
   check.ndim(k, "k", 4, "[B, Sk, Hkv, D]");
   check.ndim(v, "v", 4, "[B, Sk, Hkv, Dv]");

@@ -290,3 +290,21 @@ def test_unvalidated_index_gives_the_same_result_and_never_reads_out_of_bounds()
     out = vidattn.block_sparse_attention(q, k, k, bad, cnt, validate_index=False)
     torch.cuda.synchronize()
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("tile", [64, 128])
+def test_sm_margin_leaves_the_result_bit_identical(tile):
+    """sm_margin shrinks the persistent grid of the Hopper forward (fewer CTAs, more tiles
+    each): any margin, down to a single CTA, gives the same bits as the full grid."""
+    g = gen(70)
+    q = torch.randn(1, 37 * tile, 5, 128, generator=g).to(torch.bfloat16).to(DEV)
+    k = torch.randn(1, 29 * tile, 5, 128, generator=g).to(torch.bfloat16).to(DEV)
+    v = torch.randn(1, 29 * tile, 5, 128, generator=g).to(torch.bfloat16).to(DEV)
+    idx, cnt = random_index(1, 5, 37, 29, 6, 71, allow_empty=True)
+    idx, cnt = idx.to(DEV), cnt.to(DEV)
+    full = vidattn.block_sparse_attention(q, k, v, idx, cnt, tile_volume=tile, return_lse=True)
+    for margin in (16, 100000):
+        poison_allocator(q.numel() * 2)
+        got = vidattn.block_sparse_attention(q, k, v, idx, cnt, tile_volume=tile,
+                                             return_lse=True, sm_margin=margin)
+        assert all(torch.equal(a, b) for a, b in zip(full, got)), margin

@@ -224,8 +224,9 @@ def _vsa_head_chunks(rank, world):
                       heads=4 * world, gate=True, rope="half")
     tiling = vidattn.VideoTiling(grid=grid, tile=(4, 4, 4))
     results = []
-    for chunks in (1, 2, 4):
-        module = vidattn.DistributedAttention("vsa", tiling=tiling, topk=2, head_chunks=chunks)
+    for chunks, margin in ((1, None), (2, None), (4, None), (2, 0), (2, 8)):
+        module = vidattn.DistributedAttention("vsa", tiling=tiling, topk=2, head_chunks=chunks,
+                                              sm_margin=margin)
         results.append(_run_sharded(case, module, world, rank)[0])
     for other in results[1:]:
         for name, value in results[0].items():
@@ -493,6 +494,8 @@ def test_bad_arguments():
         vidattn.DistributedAttention("vsa", topk=2)
     with pytest.raises(ValueError, match="are for backend='vsa'"):
         vidattn.DistributedAttention(topk=2)
+    with pytest.raises(ValueError, match="sm_margin must be >= 0"):
+        vidattn.DistributedAttention(sm_margin=-1)
     with pytest.raises(ValueError, match="seq_len must be in"):
         layer(x, x, x, seq_len=7)
     with pytest.raises(ValueError, match="q must be a 4-D"):

@@ -339,6 +339,10 @@ def test_block_sparse_bad_inputs():
         bsa(q[:, :100], q, q, idx, cnt)
     with pytest.raises(ValueError, match="tile volume"):
         bsa(q, q, q, idx, cnt, tile_volume=32)
+    with pytest.raises(ValueError, match="'sm_margin' must be >= 0"):
+        bsa(q, q, q, idx, cnt, sm_margin=-1)
+    # sm_margin only shapes the Hopper kernel's grid: elsewhere the result is the same.
+    assert torch.equal(bsa(q, q, q, idx, cnt), bsa(q, q, q, idx, cnt, sm_margin=1000))
 
 
 # ---------------------------------------------------------------------------------------

@@ -430,7 +430,8 @@ bool try_sm90_forward(const BlockSparseProblem& p, const TensorView& q, const Te
   const double scale = p.scale;
   if (!detail::cuda_sm90_block_sparse_forward(q, k, v, out, lse, q2k_index, q2k_count,
                                               optional_view(o.kv_block_sizes),
-                                              static_cast<int>(p.tile_volume), scale, stream))
+                                              static_cast<int>(p.tile_volume), scale, o.sm_margin,
+                                              stream))
     return false;
   if (o.q_block_sizes) clear_padded_queries(p, out, lse, *o.q_block_sizes, stream);
   return true;

@@ -58,6 +58,9 @@ struct AttentionParams {
   bool aligned16 = false;
   // Output row starts are 4-byte aligned (column pairs stored as one word).
   bool out_aligned4 = false;
+  // SMs the persistent (sm_90a) kernels leave free for concurrent kernels; the sm_80 grids
+  // cover every tile and ignore it.
+  int sm_margin = 0;
 
   // Block-sparse attention (VSA's fine branch; batched layout only). The dense kernels never
   // read these; the sparse instantiations walk these lists instead of a range of blocks.

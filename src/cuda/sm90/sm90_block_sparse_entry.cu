@@ -43,7 +43,7 @@ bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
                                     const TensorView& lse, const TensorView& q2k_index,
                                     const TensorView& q2k_count,
                                     const TensorView* kv_block_sizes, int tile_volume,
-                                    double scale, void* stream) {
+                                    double scale, int sm_margin, void* stream) {
   constexpr const char* fn = "vidattn._block_sparse_forward_sm90";
   if (q.ndim != 4 || k.ndim != 4 || v.ndim != 4)
     throw_value_error(fn, ": q, k, v must be 4-D [B, S, H, D], got ", shape_string(q), ", ",
@@ -108,6 +108,7 @@ bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
   kp.scale = static_cast<float>(scale);
   kp.aligned16 = true;
   kp.out_aligned4 = true;
+  kp.sm_margin = sm_margin;
 
   cuda_sm90::SparseKeyListArgs s;
   s.q2k_index = static_cast<const std::int32_t*>(q2k_index.data);

@@ -126,7 +126,7 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.sched.longest_first = a.causal;
   p.pingpong = pingpong_enabled();
   const int tiles = p.sched.total_tiles();
-  const int grid = std::min(tiles, sm_count());
+  const int grid = std::min(tiles, std::max(1, sm_count() - std::max(0, a.sm_margin)));
   cuda_sm80::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              Traits::kSmemBytes),
                         "cudaFuncSetAttribute (dynamic shared memory)");

@@ -1,0 +1,43 @@
+"""One launch of each sm_90a forward kernel inside a profiler range, for Nsight Compute:
+
+    ncu --profile-from-start off --set full -o sm90 python3 tools/profile_sm90.py
+
+Dense: B1 H12 S32768 D128 bf16 (the issue's dense shape). Block-sparse: Wan2.1-1.3B 480p
+(624 tiles of 64 tokens, H12, D128, 90% sparse -> 63 key tiles per query tile, a seeded
+uniform random selection as in the benchmark). Not a test and not a benchmark: it only runs
+the kernels once each (after a warm-up) so the profiler sees a steady state."""
+import torch
+
+import vidattn
+
+
+def main() -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    S = 32768
+    q, k, v = randn(1, S, 12, 128), randn(1, S, 12, 128), randn(1, S, 12, 128)
+    tiles, topk = 624, 63
+    qs, ks, vs = (randn(1, tiles * 64, 12, 128) for _ in range(3))
+    scores = torch.rand(1, 12, tiles, tiles, generator=g, device="cuda")
+    idx = scores.topk(topk, dim=-1).indices.sort(-1).values.to(torch.int32).contiguous()
+    cnt = torch.full((1, 12, tiles), topk, dtype=torch.int32, device="cuda")
+    ops = torch.ops.vidattn
+
+    def run():
+        vidattn.attention(q, k, v)
+        ops.block_sparse_attention(qs, ks, vs, idx, cnt, tile_volume=64, validate_index=False)
+
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    run()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.stop()
+
+
+if __name__ == "__main__":
+    main()
