@@ -58,6 +58,9 @@ def parse_args(argv):
     p.add_argument("--sm-margins", default="",
                    help="VSA: comma list of DistributedAttention sm_margin values to time on "
                         "2 GPUs (default: the layer's default)")
+    p.add_argument("--trace", default=None,
+                   help="also write a torch.profiler (kineto) Chrome trace of 3 2-GPU steps of "
+                        "each case and direction to TRACE.<case>-<dir>.rank<r>.json")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--check", action="store_true",
@@ -181,6 +184,20 @@ class Bench:
             return t0[0].elapsed_time(t0[1])
         return (time.perf_counter() - t0) * 1e3
 
+    def trace(self, case, direction, path_prefix):
+        """A Chrome trace (CUDA kernels per stream, NCCL included) of 3 steps on 2 GPUs with
+        the layer's default settings, one file per rank."""
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            saved = self.args.iters, self.args.warmup
+            self.args.iters, self.args.warmup = 3, 1
+            try:
+                self.time_ms(case, direction, sharded=True, group=None)
+            finally:
+                self.args.iters, self.args.warmup = saved
+        prof.export_chrome_trace(f"{path_prefix}.{case}-{direction}.rank{self.rank}.json")
+        dist.barrier()
+
     def measure(self, case, direction):
         """One row per 2-GPU configuration, all against one 1-GPU time."""
         one_gpu = None
@@ -284,6 +301,8 @@ def main(argv=None):
                     print(json.dumps(report["checks"][-1]), flush=True)
         for case in cases:
             for direction in directions:
+                if args.trace:
+                    bench.trace(case, direction, args.trace)
                 for row in bench.measure(case, direction):
                     report["rows"].append(row)
                     print(f"{case:6s} {direction} {row['layer_config'] or ''}: 1 GPU "

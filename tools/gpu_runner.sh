@@ -126,6 +126,9 @@ if [ $BUILD_OK = 1 ]; then
     stage profile 300 ncu --profile-from-start off --set full --kernel-name regex:sm90 \
       -o "$LOGS/sm90_profile" $PYTHON tools/profile_sm90.py
     ncu --import "$LOGS/sm90_profile.ncu-rep" --page details >"$OUT/sm90_profile.txt" 2>&1
+    # Warp stall reasons per kernel (the details page shows only their sum).
+    ncu --import "$LOGS/sm90_profile.ncu-rep" --page raw --csv 2>/dev/null \
+      | python3 tools/ncu_stalls.py >"$OUT/sm90_stalls.txt" 2>&1
     cp "$LOGS/sm90_profile.ncu-rep" "$OUT/" 2>/dev/null
   fi
 fi

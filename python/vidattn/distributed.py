@@ -19,9 +19,6 @@ from ._attention import attention
 from .rope import apply_rope
 
 _BACKENDS = ("dense", "vsa")
-# SMs the Hopper sparse kernel leaves to NCCL while the VSA pipeline overlaps them: a persistent
-# kernel on every SM keeps the all-to-all kernels from starting until it ends.
-_PIPELINE_SM_MARGIN = 16
 
 
 def _group_size_and_rank(group) -> tuple[int, int]:
@@ -132,11 +129,13 @@ class DistributedAttention(torch.nn.Module):
     gathered sequence after RoPE and untiles the result. ``gate`` (``[B, S_local, H, D]``,
     sharded like q) is optional. Replicated tokens are not supported with VSA (its tiles cover
     the video grid only). VSA is fast enough for the all-to-alls to show, so the layer
-    pipelines it over ``head_chunks`` groups of this rank's heads (default 2 where they split
-    evenly): chunk c + 1 travels while chunk c is computed, and chunk c's output travels back
-    while chunk c + 1 is computed. Heads are independent, so the result is the same. For the
-    all-to-alls to run alongside the sparse kernel it leaves ``sm_margin`` SMs free (see
-    :func:`vidattn.block_sparse_attention`; default 16 while pipelining, else 0).
+    pipelines it over ``head_chunks`` groups of this rank's heads (default 4, else 2, where
+    they split evenly): chunk c + 1 travels while chunk c is computed, and chunk c's output
+    travels back while chunk c + 1 is computed. Heads are independent, so the result is the
+    same. With B = 1 the pipeline applies RoPE on each rank's own positions before the
+    all-to-all, writing straight into the send buffers (no separate packing copy).
+    ``sm_margin`` (default 0) is passed to the sparse kernel (see
+    :func:`vidattn.block_sparse_attention`): SMs it leaves to kernels running alongside.
 
     World size 1 (or torch.distributed not initialized) runs with no collective.
     """
@@ -288,7 +287,12 @@ class DistributedAttention(torch.nn.Module):
         """How many head groups the VSA path pipelines (1: no pipeline)."""
         if self.backend != "vsa" or world == 1:
             return 1
-        wanted = 2 if self.head_chunks is None else self.head_chunks
+        if self.head_chunks is None:  # the most of 4, 2 that divides every tensor's heads
+            for wanted in (4, 2):
+                if all((x.shape[2] // world) % wanted == 0 for x in sharded):
+                    return wanted
+            return 1
+        wanted = self.head_chunks
         if wanted > 1 and all((x.shape[2] // world) % wanted == 0 for x in sharded):
             return wanted
         if self.head_chunks is not None and self.head_chunks > 1:
@@ -304,10 +308,13 @@ class DistributedAttention(torch.nn.Module):
         head i of chunk c on rank j."""
         from .vsa import video_sparse_attention
         b, s_local = sharded[0].shape[0], sharded[0].shape[1]
+        if b == 1:
+            return self._vsa_pipelined_b1(sharded, world, group, seq_len, padded, cos, sin,
+                                          chunks)
         widths = [x.shape[2] // world // chunks * x.shape[3] for x in sharded]
         # Every chunk's all-to-all is issued up front: NCCL runs them in order while the
         # compute stream works on the chunks already received.
-        sm_margin = _PIPELINE_SM_MARGIN if self.sm_margin is None else self.sm_margin
+        sm_margin = self.sm_margin or 0
         pending = []
         for c in range(chunks):
             parts = [x.reshape(b, s_local, world, chunks, w)[:, :, :, c].permute(2, 0, 1, 3)
@@ -338,3 +345,51 @@ class DistributedAttention(torch.nn.Module):
         # [world (head group), B, S_local, hc * Dv] per chunk -> [B, S_local, H, Dv].
         back = [torch.ops._c10d_functional.wait_tensor(r).permute(1, 2, 0, 3) for r in returning]
         return torch.stack(back, dim=3).reshape(b, s_local, world * chunks * hc, dv)
+
+    def _vsa_pipelined_b1(self, sharded, world: int, group, seq_len: int, padded: int, cos,
+                          sin, chunks: int) -> torch.Tensor:
+        """_vsa_pipelined for B = 1 without the packing copy: the tensors of a chunk travel
+        in separate all-to-alls, each sent from a [world, S_local, hc, D] buffer that one pass
+        fills. RoPE runs before the all-to-all, on this rank's positions, and is that pass for
+        q and k (a view of the shard with the destination rank as the batch dimension); v and
+        the gate are copied. What arrives is already [1, world * S_local, hc, D]."""
+        from .vsa import video_sparse_attention
+        rank = dist.get_rank(group)
+        s_local = sharded[0].shape[1]
+        tiling = self.tiling
+        tables = None
+        if cos is not None:
+            # This rank's rows of the tables; rows past seq_len (padding) rotate to 0.
+            lo, hi = min(rank * s_local, seq_len), min((rank + 1) * s_local, seq_len)
+            tables = [F.pad(t[lo:hi], (0, 0, 0, s_local - (hi - lo))) for t in (cos, sin)]
+
+        def send_buffer(x, c, rotate):
+            h_local = x.shape[2] // world
+            view = x[0].view(s_local, world, chunks, h_local // chunks, x.shape[3])[:, :, c]
+            view = view.permute(1, 0, 2, 3)  # [world (destination), S_local, hc, D]
+            if rotate and tables is not None:
+                return apply_rope(view, tables[0], tables[1], interleaved=self.interleaved_rope)
+            return view.contiguous()
+
+        pending = []
+        for c in range(chunks):
+            pending.append([_all_to_all_start(send_buffer(x, c, i < 2), world, group)
+                            for i, x in enumerate(sharded)])
+        returning = []
+        for c in range(chunks):
+            ts = [torch.ops._c10d_functional.wait_tensor(r) for r in pending[c]]
+            ts = [t.reshape(1, world * s_local, t.shape[2], t.shape[3])[:, :seq_len] for t in ts]
+            q, k, v = ts[:3]
+            gate = ts[3] if len(ts) == 4 else None
+            out = video_sparse_attention(
+                tiling.tile(q), tiling.tile(k), tiling.tile(v), tiling=tiling, topk=self.topk,
+                sparsity=self.sparsity, gate=None if gate is None else tiling.tile(gate),
+                scale=self.scale, sm_margin=self.sm_margin or 0)
+            out = tiling.untile(out)
+            if seq_len != padded:
+                out = F.pad(out, (0, 0, 0, 0, 0, padded - seq_len))
+            hc, dv = out.shape[2], out.shape[3]
+            returning.append(_all_to_all_start(out.view(world, s_local, hc, dv), world, group))
+        # Chunk c of rank j holds heads j * h_local + c * hc + [0, hc) of this rank's rows.
+        back = [torch.ops._c10d_functional.wait_tensor(r).permute(1, 0, 2, 3) for r in returning]
+        return torch.stack(back, dim=2).reshape(1, s_local, world * chunks * hc, dv)

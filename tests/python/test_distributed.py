@@ -162,6 +162,10 @@ def _vsa_cases(world):
     return [
         ("vsa", (3, 6, 10), dict(gate=False, rope="half")),
         ("vsa+gate+padding", (3, 5, 9), dict(gate=True)),
+        # B = 1 with heads to pipeline: RoPE before the all-to-all into the send buffers.
+        ("vsa b1+rope+gate+padding", (3, 5, 9), dict(gate=True, rope="half", batch=1,
+                                                      heads=4 * world)),
+        ("vsa b1+full table", (3, 6, 10), dict(rope="full", batch=1, heads=8 * world)),
     ]
 
 
@@ -221,7 +225,7 @@ def _vsa_head_chunks(rank, world):
     grid = (3, 6, 10)
     tokens = grid[0] * grid[1] * grid[2]
     case = _make_case(401, world=world, s_local=-(-tokens // world), seq_len=tokens,
-                      heads=4 * world, gate=True, rope="half")
+                      heads=4 * world, gate=True, rope="half", batch=1)
     tiling = vidattn.VideoTiling(grid=grid, tile=(4, 4, 4))
     results = []
     for chunks, margin in ((1, None), (2, None), (4, None), (2, 0), (2, 8)):

@@ -311,6 +311,35 @@ def test_cuda_matches_float64_reference(dtype, interleaved, full):
 
 
 @needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("full", [False, True])
+@pytest.mark.parametrize("layout", ["head_slice", "misaligned", "d16"])
+def test_cuda_vector_and_scalar_paths(dtype, interleaved, full, layout):
+    """16-bit x takes 16-byte loads when rows and heads are 16-byte aligned (a head slice of
+    a wider tensor: the sequence-parallel layout), element loads otherwise (a view one element
+    into its storage); both against the float64 reference, output poisoned first."""
+    gen = _gen(3200 + interleaved * 2 + full + 10 * ["head_slice", "misaligned", "d16"].index(layout))
+    b, s, h, d = 2, 29, 3, 16 if layout == "d16" else 128
+    wide = (torch.randn(b, s, 2 * h, d, generator=gen) * 4).to(dtype).cuda()
+    if layout == "misaligned":
+        flat = torch.randn(b * s * h * d + 1, generator=gen).to(dtype).cuda()
+        x = flat[1:].view(b, s, h, d)
+    else:
+        x = wide[:, :, h:]  # head stride d, row stride 2 h d
+    cos, sin = _tables(s, d, full, interleaved, gen, distinct=full)
+    cos, sin = cos.to(dtype).cuda(), sin.to(dtype).cuda()
+    torch.cuda.empty_cache()
+    poison = torch.full((4 * b * s * h * d,), float("nan"), device="cuda")
+    del poison
+    out = vidattn.apply_rope(x, cos, sin, interleaved=interleaved)
+    ref64 = rope_reference(x.cpu().double(), cos.cpu().double(), sin.cpu().double(), interleaved)
+    assert not out.isnan().any()
+    err = (out.cpu().double() - ref64).abs().max().item()
+    assert err <= _tolerance(x.cpu(), cos.cpu(), sin.cpu(), interleaved, ref64), err
+
+
+@needs_cuda
 def test_cuda_strided_gradients_and_tables():
     gen = _gen(3100)
     base = torch.randn(2, 3, 20, 16, generator=gen, dtype=torch.float64)
