@@ -19,6 +19,7 @@ struct FwdKernelParams {
   int q_rows = 0, kv_rows = 0, tma_batch = 0;
   TileScheduler sched;
   bool pingpong = true;  // two-warpgroup streams take turns issuing their products
+  float rescale_slack = 8.f;  // OnlineSoftmax::slack
 };
 
 }  // namespace vidattn::cuda_sm90

@@ -70,6 +70,16 @@ inline bool pingpong_enabled() {
   return on;
 }
 
+// VIDATTN_SM90_RESCALE_SLACK=<log2 units> (read once): OnlineSoftmax::slack; default 8,
+// negative for the textbook online softmax (for measuring it).
+inline float rescale_slack() {
+  static const float slack = [] {
+    const char* v = std::getenv("VIDATTN_SM90_RESCALE_SLACK");
+    return v != nullptr ? std::strtof(v, nullptr) : 8.f;
+  }();
+  return slack;
+}
+
 inline bool hd64_long_blocks() {
   static const bool on = [] {
     const char* v = std::getenv("VIDATTN_SM90_HD64_BLOCKN");
@@ -125,6 +135,7 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.sched.batch = a.batch;
   p.sched.longest_first = a.causal;
   p.pingpong = pingpong_enabled();
+  p.rescale_slack = rescale_slack();
   const int tiles = p.sched.total_tiles();
   const int grid = std::min(tiles, std::max(1, sm_count() - std::max(0, a.sm_margin)));
   cuda_sm80::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

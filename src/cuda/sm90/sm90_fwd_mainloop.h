@@ -119,6 +119,8 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
       Tensor gV = local_tile(domain_offset(k_coord, mV(_, _, hk, tb)), Shape<Int<BN>, Int<D>>{},
                              make_coord(_0{}, _0{}));
       Barrier::wait(&st.k_empty[ring.stage], ring.phase ^ 1u);
+      // Published to the consumers by the arrive below (release) and their wait (acquire).
+      if constexpr (Visit::kProducerRecordsBlocks) st.block_valid[ring.stage] = kb.valid;
       Barrier::arrive_and_expect_tx(&st.k_full[ring.stage], Traits::kKVBytes);
       copy(p.tma_k.with(st.k_full[ring.stage]), cta_k.partition_S(gK),
            cta_k.partition_D(sK(_, _, ring.stage)));
@@ -201,11 +203,23 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     if (!t.active) continue;
     const Visit visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
     const int n = visit.num_blocks();
-    OnlineSoftmax softmax(p.attn.scale);
+    OnlineSoftmax softmax(p.attn.scale, p.rescale_slack);
     float alpha[2];
 
     Barrier::wait(&st.q_full, q_phase);
     q_phase ^= 1u;
+    // The key block of ring slot `stage`, whose K has landed: the producer's record of it
+    // where the policy reads the index (no global load in this loop), else the policy.
+    auto landed_block = [&](int i, int stage) {
+      if constexpr (Visit::kProducerRecordsBlocks) {
+        KeyBlock b;
+        b.valid = st.block_valid[stage];
+        b.needs_mask = b.valid < BN;
+        return b;
+      } else {
+        return visit.block(i);
+      }
+    };
     if (n == 0) {
       Barrier::arrive(&st.q_empty);
       clear(tOrO);
@@ -214,8 +228,8 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     }
 
     // Block 0: S, softmax; its P V product is issued together with block 1's S.
-    KeyBlock kb = visit.block(0);
     Barrier::wait(&st.k_full[ring.stage], ring.phase);
+    KeyBlock kb = landed_block(0, ring.stage);
     turns.wait_turn();
     warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, ring.stage), tSrS, true);
     turns.pass_turn();
@@ -230,8 +244,8 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     ring.advance();
 
     for (int i = 1; i < n; ++i) {
-      kb = visit.block(i);
       Barrier::wait(&st.k_full[ring.stage], ring.phase);
+      kb = landed_block(i, ring.stage);
       Barrier::wait(&st.v_full[prev.stage], prev.phase);
       turns.wait_turn();
       warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, ring.stage), tSrS, true);
@@ -243,12 +257,13 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       Barrier::arrive(&st.k_empty[ring.stage]);
       if (i == n - 1) Barrier::arrive(&st.q_empty);
       if (kb.needs_mask) apply_mask(tSrS, tScS, visit, kb, t.q0);
-      softmax.template update<false>(tSrS, alpha);
+      const bool moved = softmax.template update<false>(tSrS, alpha);
       warpgroup_wait<0>();  // P V of block i - 1 done: O and P are free
       warpgroup_fence_operand(tOrO);
       warpgroup_fence_operand(tOrP);
       Barrier::arrive(&st.v_empty[prev.stage]);
-      rescale_rows(tOrO, alpha);
+      // Most blocks leave every row's base in place (OnlineSoftmax::slack): no rescale.
+      if (__any_sync(0xffffffffu, moved)) rescale_rows(tOrO, alpha);
       convert_p();
       prev = ring;
       ring.advance();

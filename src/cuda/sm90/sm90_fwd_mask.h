@@ -28,6 +28,7 @@ struct KeyBlock {
 template <int kBlockN>
 struct DenseKeyRange {
   static constexpr bool kElementMask = true;  // causal / key padding possible
+  static constexpr bool kProducerRecordsBlocks = false;  // block(i) is arithmetic
   std::int64_t len_q = 0, len_k = 0, k_end = 0;
   std::int64_t q0 = 0;
   const std::uint8_t* key_mask = nullptr;  // this sequence's row, or null
@@ -69,6 +70,9 @@ struct DenseKeyRange {
 template <int kBlockN>
 struct SparseKeyList {
   static constexpr bool kElementMask = false;  // only the per-tile valid length
+  // block(i) reads the index (and block sizes) from global memory: the producer, which
+  // needs it for the load anyway, records each block's valid length in shared memory.
+  static constexpr bool kProducerRecordsBlocks = true;
   const std::int32_t* list = nullptr;
   const std::int32_t* sizes = nullptr;  // null: every key tile is full
   int count = 0, blocks_per_tile = 1, tile_volume = kBlockN, kv_tiles = 0;

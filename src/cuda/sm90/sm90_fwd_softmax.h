@@ -13,43 +13,64 @@
 namespace vidattn::cuda_sm90 {
 
 struct OnlineSoftmax {
-  float row_max[2];  // running max of s * scale * log2(e); -inf while the row saw nothing
+  float row_max[2];  // the base of the exponentials: s * scale * log2(e) units; -inf while
+                     // the row saw nothing
   float row_sum[2];  // this thread's partial sum of exp2(s * scale_log2 - row_max)
   float scale_log2;
+  // The base moves only when a block's max exceeds it by more than this (log2 units):
+  // probabilities stay <= 2^slack (fine for fp32 sums and 16-bit P), and the output
+  // accumulator is rescaled on the few blocks that move it instead of on every block. The
+  // result is the same math: numerator and denominator share the base. Negative: the base
+  // follows every new max (the textbook online softmax).
+  float slack;
 
-  __device__ __forceinline__ explicit OnlineSoftmax(float scale) {
+  __device__ __forceinline__ explicit OnlineSoftmax(float scale, float rescale_slack) {
     scale_log2 = scale * cuda_sm80::kLog2e;
+    slack = rescale_slack;
     row_max[0] = row_max[1] = -INFINITY;
     row_sum[0] = row_sum[1] = 0.f;
   }
 
   // Turns the logits s into unnormalised probabilities in place. alpha[r] is the factor the
-  // output accumulated so far must be multiplied by (unused on the first block).
+  // output accumulated so far must be multiplied by (unused on the first block). Returns
+  // whether some alpha of this thread differs from 1.
   template <bool kFirst, class Frag>
-  __device__ __forceinline__ void update(Frag& s, float (&alpha)[2]) {
+  __device__ __forceinline__ bool update(Frag& s, float (&alpha)[2]) {
     constexpr int kCols = decltype(cute::size(s))::value / 4;  // column groups of 8 (j)
+    static_assert(kCols % 2 == 0);
+    bool moved = false;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float mx = -INFINITY;
+      // Two independent max chains and four sum chains: the reductions are latency, not
+      // throughput (two consumer warps per scheduler).
+      float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-      for (int j = 0; j < kCols; ++j) mx = fmaxf(mx, fmaxf(s(4 * j + 2 * r), s(4 * j + 2 * r + 1)));
-      mx = cuda_sm80::quad_max(mx);
-      const float new_max = fmaxf(row_max[r], mx * scale_log2);
+      for (int j = 0; j < kCols; j += 2) {
+        mx0 = fmaxf(mx0, fmaxf(s(4 * j + 2 * r), s(4 * j + 2 * r + 1)));
+        mx1 = fmaxf(mx1, fmaxf(s(4 * j + 4 + 2 * r), s(4 * j + 4 + 2 * r + 1)));
+      }
+      const float block_max = cuda_sm80::quad_max(fmaxf(mx0, mx1)) * scale_log2;
+      float new_max = row_max[r];
+      if (kFirst || block_max > row_max[r] + slack) new_max = fmaxf(row_max[r], block_max);
       // A row with nothing visible yet keeps -inf and adds exp2(-inf) = 0.
       const float base = new_max == -INFINITY ? 0.f : new_max;
-      alpha[r] = kFirst ? 1.f : cuda_sm80::exp2_approx(row_max[r] - base);
-      float sum = 0.f;
+      alpha[r] = (kFirst || new_max == row_max[r]) ? 1.f
+                                                   : cuda_sm80::exp2_approx(row_max[r] - base);
+      moved = moved || alpha[r] != 1.f;
+      float sum[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
       for (int j = 0; j < kCols; ++j)
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           const int v = 4 * j + 2 * r + c;
           s(v) = cuda_sm80::exp2_approx(fmaf(s(v), scale_log2, -base));
-          sum += s(v);
+          sum[(j & 1) * 2 + c] += s(v);
         }
-      row_sum[r] = kFirst ? sum : row_sum[r] * alpha[r] + sum;
+      const float block_sum = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+      row_sum[r] = kFirst ? block_sum : row_sum[r] * alpha[r] + block_sum;
       row_max[r] = new_max;
     }
+    return moved;
   }
 };
 

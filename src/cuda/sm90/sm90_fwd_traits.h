@@ -93,6 +93,7 @@ struct FwdTraits {
     uint64_t q_full, q_empty;
     uint64_t k_full[kStages], k_empty[kStages];
     uint64_t v_full[kStages], v_empty[kStages];
+    int block_valid[kStages];  // keys of the block in each K slot (policies that record it)
   };
   struct SharedStorage {
     StreamStorage stream[kStreams];
