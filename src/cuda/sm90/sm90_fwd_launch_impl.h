@@ -88,6 +88,17 @@ inline bool hd64_long_blocks() {
   return on;
 }
 
+// VIDATTN_SM90_GRID=tiles (read once): one CTA per tile instead of the persistent grid, for
+// measuring what persistence costs or saves next to concurrent kernels (a persistent CTA that
+// starts late, behind another kernel's blocks, still owns its share of the tiles).
+inline bool one_cta_per_tile() {
+  static const bool on = [] {
+    const char* v = std::getenv("VIDATTN_SM90_GRID");
+    return v != nullptr && std::string_view(v) == "tiles";
+  }();
+  return on;
+}
+
 inline int sm_count() {
   int device = 0, count = 0;
   cuda_sm80::check_cuda(cudaGetDevice(&device), "cudaGetDevice");
@@ -137,7 +148,9 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.pingpong = pingpong_enabled();
   p.rescale_slack = rescale_slack();
   const int tiles = p.sched.total_tiles();
-  const int grid = std::min(tiles, std::max(1, sm_count() - std::max(0, a.sm_margin)));
+  const int grid = one_cta_per_tile()
+                       ? tiles
+                       : std::min(tiles, std::max(1, sm_count() - std::max(0, a.sm_margin)));
   cuda_sm80::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              Traits::kSmemBytes),
                         "cudaFuncSetAttribute (dynamic shared memory)");
