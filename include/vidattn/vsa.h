@@ -169,9 +169,10 @@ struct BlockSparseOptions {
   // False for an index vidattn built itself (select_topk_tiles in video_sparse_attention);
   // the CPU always checks (no synchronisation there).
   bool validate_index = true;
-  // CUDA on Hopper: streaming multiprocessors the persistent forward kernel leaves free, so
-  // that kernels running alongside (NCCL all-to-alls of sequence parallelism) get SMs and
-  // overlap it. 0 takes every SM; never below one CTA. Ignored by the other backends.
+  // CUDA on Hopper: streaming multiprocessors the forward kernel leaves free for kernels
+  // running alongside: > 0 runs it on a persistent grid of (SMs - sm_margin) CTAs (never
+  // fewer than one); 0 (default) launches one CTA per tile, which the hardware places as SMs
+  // free up. Ignored by the other backends.
   int sm_margin = 0;
   int num_threads = 0;
   void* stream = nullptr;  // cudaStream_t for CUDA tensors (null: the legacy default stream)

@@ -371,13 +371,18 @@ class DistributedAttention(torch.nn.Module):
                 return apply_rope(view, tables[0], tables[1], interleaved=self.interleaved_rope)
             return view.contiguous()
 
-        pending = []
-        for c in range(chunks):
-            pending.append([_all_to_all_start(send_buffer(x, c, i < 2), world, group)
-                            for i, x in enumerate(sharded)])
+        def issue(c):  # chunk c's send buffers, then its all-to-alls (on NCCL's stream)
+            return [_all_to_all_start(send_buffer(x, c, i < 2), world, group)
+                    for i, x in enumerate(sharded)]
+
+        # Chunks 0 and 1 are packed and sent up front; chunk c + 2 is packed after chunk c's
+        # compute is queued, so its all-to-all runs beside chunk c + 1's compute and the
+        # packing of later chunks does not delay the first compute.
+        pending = {c: issue(c) for c in range(min(2, chunks))}
         returning = []
+        result = None
         for c in range(chunks):
-            ts = [torch.ops._c10d_functional.wait_tensor(r) for r in pending[c]]
+            ts = [torch.ops._c10d_functional.wait_tensor(r) for r in pending.pop(c)]
             ts = [t.reshape(1, world * s_local, t.shape[2], t.shape[3])[:, :seq_len] for t in ts]
             q, k, v = ts[:3]
             gate = ts[3] if len(ts) == 4 else None
@@ -390,6 +395,16 @@ class DistributedAttention(torch.nn.Module):
                 out = F.pad(out, (0, 0, 0, 0, 0, padded - seq_len))
             hc, dv = out.shape[2], out.shape[3]
             returning.append(_all_to_all_start(out.view(world, s_local, hc, dv), world, group))
-        # Chunk c of rank j holds heads j * h_local + c * hc + [0, hc) of this rank's rows.
-        back = [torch.ops._c10d_functional.wait_tensor(r).permute(1, 0, 2, 3) for r in returning]
-        return torch.stack(back, dim=2).reshape(1, s_local, world * chunks * hc, dv)
+            if c + 2 < chunks:
+                pending[c + 2] = issue(c + 2)
+            if result is None:
+                result = out.new_empty(s_local, world, chunks, hc, dv)
+            # Chunk c - 1 came back while chunk c computed: place it now, so that only the
+            # last chunk's placement follows the last compute. Chunk c of rank j holds heads
+            # j * h_local + c * hc + [0, hc) of this rank's rows.
+            if c >= 1:
+                back = torch.ops._c10d_functional.wait_tensor(returning[c - 1])
+                result[:, :, c - 1].copy_(back.permute(1, 0, 2, 3))
+        back = torch.ops._c10d_functional.wait_tensor(returning[chunks - 1])
+        result[:, :, chunks - 1].copy_(back.permute(1, 0, 2, 3))
+        return result.view(1, s_local, world * chunks * hc, dv)

@@ -88,13 +88,16 @@ inline bool hd64_long_blocks() {
   return on;
 }
 
-// VIDATTN_SM90_GRID=tiles (read once): one CTA per tile instead of the persistent grid, for
-// measuring what persistence costs or saves next to concurrent kernels (a persistent CTA that
-// starts late, behind another kernel's blocks, still owns its share of the tiles).
-inline bool one_cta_per_tile() {
+// The grid: one CTA per tile by default, a persistent grid of (SMs - sm_margin) CTAs when the
+// caller leaves SMs free, or always with VIDATTN_SM90_GRID=persistent (read once; for A/B).
+// Alone on the GPU both run at the same speed (docs/perf-notes.md); beside other kernels
+// (NCCL in sequence parallelism) a persistent CTA that starts late, behind their blocks,
+// still owns its share of the tiles and the whole kernel waits for it, while one CTA per tile
+// lets the hardware hand the remaining tiles to whichever SM is free.
+inline bool persistent_grid_forced() {
   static const bool on = [] {
     const char* v = std::getenv("VIDATTN_SM90_GRID");
-    return v != nullptr && std::string_view(v) == "tiles";
+    return v != nullptr && std::string_view(v) == "persistent";
   }();
   return on;
 }
@@ -148,9 +151,9 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.pingpong = pingpong_enabled();
   p.rescale_slack = rescale_slack();
   const int tiles = p.sched.total_tiles();
-  const int grid = one_cta_per_tile()
-                       ? tiles
-                       : std::min(tiles, std::max(1, sm_count() - std::max(0, a.sm_margin)));
+  const bool persistent = a.sm_margin > 0 || persistent_grid_forced();
+  const int grid =
+      persistent ? std::min(tiles, std::max(1, sm_count() - std::max(0, a.sm_margin))) : tiles;
   cuda_sm80::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              Traits::kSmemBytes),
                         "cudaFuncSetAttribute (dynamic shared memory)");

@@ -1,12 +1,15 @@
-// Persistent tile scheduler: a grid of at most one CTA per SM walks the (query block, head,
-// batch) tiles in rounds of gridDim.x slots; CTA c takes slot c of every round.
+// Tile scheduler: CTA c takes slots c, c + gridDim.x, ... of the (query block, head, batch)
+// tiles. By default the grid has one CTA per tile (one slot each, handed out by the hardware
+// as SMs free up, in slot order); with a persistent grid (at most one CTA per SM, see
+// sm90_fwd_launch_impl.h) the slots run in rounds of gridDim.x.
 //  * Non-causal (all tiles cost the same): query blocks vary fastest, so the CTAs running at
 //    any moment work on the same few heads and share their K and V in L2.
 //  * Causal (tile cost grows with the query block): tiles go longest first (query blocks
-//    descending, then head and batch), and every other round is walked backwards ("snake"),
-//    so each CTA's sum of tile lengths comes out within ~0.1% of the mean at 16K tokens. The
-//    plain round-robin order left the busiest CTA with 1.67x the mean work (a simulation of
-//    the 1 x 16K x 12-head case), which measured as 390 TFLOP/s against 593 non-causal.
+//    descending, then head and batch); on a persistent grid every other round is walked
+//    backwards ("snake"), so each CTA's sum of tile lengths comes out within ~0.1% of the
+//    mean at 16K tokens. The plain round-robin order left the busiest CTA with 1.67x the
+//    mean work (a simulation of the 1 x 16K x 12-head case), which measured as 390 TFLOP/s
+//    against 593 non-causal.
 #pragma once
 
 #include <cstdint>
