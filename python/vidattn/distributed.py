@@ -129,8 +129,8 @@ class DistributedAttention(torch.nn.Module):
     gathered sequence after RoPE and untiles the result. ``gate`` (``[B, S_local, H, D]``,
     sharded like q) is optional. Replicated tokens are not supported with VSA (its tiles cover
     the video grid only). VSA is fast enough for the all-to-alls to show, so the layer
-    pipelines it over ``head_chunks`` groups of this rank's heads (default 4, else 2, where
-    they split evenly): chunk c + 1 travels while chunk c is computed, and chunk c's output
+    pipelines it over ``head_chunks`` groups of this rank's heads (default 2 where they split
+    evenly): chunk c + 1 travels while chunk c is computed, and chunk c's output
     travels back while chunk c + 1 is computed. Heads are independent, so the result is the
     same. With B = 1 the pipeline applies RoPE on each rank's own positions before the
     all-to-all, writing straight into the send buffers (no separate packing copy).
@@ -287,15 +287,12 @@ class DistributedAttention(torch.nn.Module):
         """How many head groups the VSA path pipelines (1: no pipeline)."""
         if self.backend != "vsa" or world == 1:
             return 1
-        if self.head_chunks is None:  # the most of 4, 2 that divides every tensor's heads
-            for wanted in (4, 2):
-                if all((x.shape[2] // world) % wanted == 0 for x in sharded):
-                    return wanted
-            return 1
+        if self.head_chunks is None:  # 2 where it divides every tensor's heads
+            return 2 if all((x.shape[2] // world) % 2 == 0 for x in sharded) else 1
         wanted = self.head_chunks
         if wanted > 1 and all((x.shape[2] // world) % wanted == 0 for x in sharded):
             return wanted
-        if self.head_chunks is not None and self.head_chunks > 1:
+        if wanted > 1:
             raise ValueError(f"DistributedAttention: head_chunks={self.head_chunks} must divide "
                              f"every tensor's heads per rank, got "
                              f"{[x.shape[2] // world for x in sharded]}")

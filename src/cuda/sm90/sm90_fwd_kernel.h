@@ -28,9 +28,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       auto& st = shared.stream[s];
       Barrier::init(&st.q_full, 1);
       Barrier::init(&st.q_empty, kConsumersPerStream);
-      for (int i = 0; i < Traits::kStages; ++i) {
+      for (int i = 0; i < Traits::kStagesK; ++i) {
         Barrier::init(&st.k_full[i], 1);
         Barrier::init(&st.k_empty[i], kConsumersPerStream);
+      }
+      for (int i = 0; i < Traits::kStagesV; ++i) {
         Barrier::init(&st.v_full[i], 1);
         Barrier::init(&st.v_empty[i], kConsumersPerStream);
       }

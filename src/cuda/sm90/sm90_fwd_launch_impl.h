@@ -28,20 +28,22 @@ using CutlassElement =
 // Dense: one 128-row stream of two warpgroups, 128-key blocks, two stages. (176-key blocks at
 // D = 128 spilled 300 bytes.)
 template <class T, int D>
-using DenseTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2>;
+using DenseTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2>;
 // D = 64 with 192-key blocks: the products are half as long as at D = 128 for the same
 // softmax work, so longer blocks should amortise the per-block waits, row reductions and
 // rescales. Passes every test but spills 40 bytes and is not yet timed, so it is opt-in:
 // VIDATTN_SM90_HD64_BLOCKN=192 (read once); the default is DenseTraits.
 template <class T>
-using Dense64LongTraits = FwdTraits<CutlassElement<T>, 64, 192, 2, 1, 2>;
+using Dense64LongTraits = FwdTraits<CutlassElement<T>, 64, 192, 2, 1, 2, 2>;
 // Block-sparse with 128 / 256-token tiles: 128-key blocks (a 256 tile is two).
 template <class T, int D>
-using Sparse128Traits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2>;
-// Block-sparse with 64-token tiles: two 64-row streams (one query tile each), 64-key blocks.
-// 128 / 256-token tiles: the dense shape, a 256 tile visited as two 128-key blocks.
+using Sparse128Traits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2>;
+// Block-sparse with 64-token tiles: two 64-row streams (one query tile each); each 128-key
+// block is two selected key tiles, loaded separately (one max, exponent base and rescale per
+// 128 keys, full-width products, as in the dense kernel). One K slot and two V slots per
+// stream: the same shared memory as a 3 + 3 ring of 64-key slots.
 template <class T, int D>
-using Sparse64Traits = FwdTraits<CutlassElement<T>, D, 64, 1, 2, 3>;
+using Sparse64Traits = FwdTraits<CutlassElement<T>, D, 128, 1, 2, 1, 2, true>;
 
 // The (rows, D, heads, batch) view TMA reads. Strides of extent-1 dimensions never matter to
 // the addresses; they are replaced by packed values so that the descriptor's 16-byte stride
@@ -140,10 +142,10 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
                           typename Traits::SmemLayoutQ{});
   p.tma_k = make_tma_copy(SM90_TMA_LOAD{},
                           gmem_view<Traits>(a.k, p.kv_rows, a.heads_kv, p.tma_batch, a.k_strides),
-                          take<0, 2>(typename Traits::SmemLayoutK{}));
+                          typename Traits::SmemLayoutKVLoad{});
   p.tma_v = make_tma_copy(SM90_TMA_LOAD{},
                           gmem_view<Traits>(a.v, p.kv_rows, a.heads_kv, p.tma_batch, a.v_strides),
-                          take<0, 2>(typename Traits::SmemLayoutV{}));
+                          typename Traits::SmemLayoutKVLoad{});
   p.sched.num_m_blocks = static_cast<int>((a.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
   p.sched.heads = a.heads_q;
   p.sched.batch = a.batch;
@@ -184,7 +186,8 @@ bool launch_sparse_forward(const AttentionParams& p, const SparseKeyListArgs& s,
                            cudaStream_t stream) {
   if (s.tile_volume == 64) {
     using Traits = launch_detail::Sparse64Traits<T, D>;
-    return launch_detail::launch<Traits, SparseKeyList<Traits::kBlockN>>(p, s, stream);
+    return launch_detail::launch<Traits, SparseKeyList<Traits::kBlockN, Traits::kHalfLoads>>(
+        p, s, stream);
   }
   using Traits = launch_detail::Sparse128Traits<T, D>;
   return launch_detail::launch<Traits, SparseKeyList<Traits::kBlockN>>(p, s, stream);

@@ -1,7 +1,8 @@
 // Mainloop of the sm_90a forward, warp-specialised:
 //  * producer: one thread per stream issues the TMA loads of Q and of each visited K / V
-//    block into a kStages-deep ring; full barriers count the bytes landed (expect_tx), empty
-//    barriers the consumer threads that are done reading a slot.
+//    block into rings of kStagesK / kStagesV slots (a block is one load, or two of half its
+//    rows from two places: kHalfLoads); full barriers count the bytes landed (expect_tx),
+//    empty barriers the consumer threads that are done reading a slot.
 //  * consumers: each warpgroup owns 64 query rows. Per key block: S = Q K^T (wgmma SS), mask
 //    (only blocks that need it), online softmax, O += P V (wgmma RS, P straight from
 //    registers). The softmax of block i overlaps the P V product of block i - 1: the QK^T
@@ -89,7 +90,22 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
   auto cta_q = p.tma_q.get_slice(_0{});
   auto cta_k = p.tma_k.get_slice(_0{});
   auto cta_v = p.tma_v.get_slice(_0{});
-  RingState<Traits::kStages> ring;
+  // One block into slot `slot` of sX: one load, or two half loads (rows kb.start and
+  // kb.start_hi of the sequence).
+  auto load_block = [&](auto const& tma, auto const& cta, auto const& mX, auto sX_slot,
+                        uint64_t* full, const KeyBlock& kb, int k_base, int hk, int tb) {
+    constexpr int R = Traits::kLoadRows;
+    CUTE_UNROLL
+    for (int h = 0; h < (Traits::kHalfLoads ? 2 : 1); ++h) {
+      const int row = k_base + static_cast<int>(h == 0 ? kb.start : kb.start_hi);
+      Tensor gX = local_tile(domain_offset(make_coord(row, _0{}), mX(_, _, hk, tb)),
+                             Shape<Int<R>, Int<D>>{}, make_coord(_0{}, _0{}));
+      Tensor sX = local_tile(sX_slot, Shape<Int<R>, Int<D>>{}, make_coord(h, _0{}));
+      copy(tma.with(*full), cta.partition_S(gX), cta.partition_D(sX));
+    }
+  };
+  RingState<Traits::kStagesK> k_ring;
+  RingState<Traits::kStagesV> v_ring;
   uint32_t q_phase = 0;
   const int rounds_end = p.sched.rounds_end(gridDim.x);
   for (int slot = blockIdx.x; slot < rounds_end; slot += gridDim.x) {
@@ -111,24 +127,25 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
     copy(p.tma_q.with(st.q_full), cta_q.partition_S(gQ), cta_q.partition_D(sQ));
     q_phase ^= 1u;
 
+    // K of block i waits for the consumers to finish S of block i - kStagesK; V of block i
+    // for P V of block i - kStagesV (a block later than its S).
     for (int i = 0; i < n; ++i) {
       const KeyBlock kb = visit.block(i);
-      const auto k_coord = make_coord(k_base + static_cast<int>(kb.start), _0{});
-      Tensor gK = local_tile(domain_offset(k_coord, mK(_, _, hk, tb)), Shape<Int<BN>, Int<D>>{},
-                             make_coord(_0{}, _0{}));
-      Tensor gV = local_tile(domain_offset(k_coord, mV(_, _, hk, tb)), Shape<Int<BN>, Int<D>>{},
-                             make_coord(_0{}, _0{}));
-      Barrier::wait(&st.k_empty[ring.stage], ring.phase ^ 1u);
+      Barrier::wait(&st.k_empty[k_ring.stage], k_ring.phase ^ 1u);
       // Published to the consumers by the arrive below (release) and their wait (acquire).
-      if constexpr (Visit::kProducerRecordsBlocks) st.block_valid[ring.stage] = kb.valid;
-      Barrier::arrive_and_expect_tx(&st.k_full[ring.stage], Traits::kKVBytes);
-      copy(p.tma_k.with(st.k_full[ring.stage]), cta_k.partition_S(gK),
-           cta_k.partition_D(sK(_, _, ring.stage)));
-      Barrier::wait(&st.v_empty[ring.stage], ring.phase ^ 1u);
-      Barrier::arrive_and_expect_tx(&st.v_full[ring.stage], Traits::kKVBytes);
-      copy(p.tma_v.with(st.v_full[ring.stage]), cta_v.partition_S(gV),
-           cta_v.partition_D(sV(_, _, ring.stage)));
-      ring.advance();
+      if constexpr (Visit::kProducerRecordsBlocks) {
+        st.block_valid[k_ring.stage][0] = kb.valid;
+        st.block_valid[k_ring.stage][1] = kb.valid_hi;
+      }
+      Barrier::arrive_and_expect_tx(&st.k_full[k_ring.stage], Traits::kKVBytes);
+      load_block(p.tma_k, cta_k, mK, sK(_, _, k_ring.stage), &st.k_full[k_ring.stage], kb,
+                 k_base, hk, tb);
+      k_ring.advance();
+      Barrier::wait(&st.v_empty[v_ring.stage], v_ring.phase ^ 1u);
+      Barrier::arrive_and_expect_tx(&st.v_full[v_ring.stage], Traits::kKVBytes);
+      load_block(p.tma_v, cta_v, mV, sV(_, _, v_ring.stage), &st.v_full[v_ring.stage], kb,
+                 k_base, hk, tb);
+      v_ring.advance();
     }
   }
 }
@@ -195,7 +212,8 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   };
 
   const PingPong turns(p.pingpong, tid / 128, Traits::kWGPerStream, stream);
-  RingState<Traits::kStages> ring;
+  RingState<Traits::kStagesK> ring;      // K of the block whose S is next
+  RingState<Traits::kStagesV> v_ring;    // V of the same block
   uint32_t q_phase = 0;
   const int rounds_end = p.sched.rounds_end(gridDim.x);
   for (int slot = blockIdx.x; slot < rounds_end; slot += gridDim.x) {
@@ -213,8 +231,9 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     auto landed_block = [&](int i, int stage) {
       if constexpr (Visit::kProducerRecordsBlocks) {
         KeyBlock b;
-        b.valid = st.block_valid[stage];
-        b.needs_mask = b.valid < BN;
+        b.valid = st.block_valid[stage][0];
+        b.valid_hi = st.block_valid[stage][1];
+        b.needs_mask = Visit::kHalves ? b.valid < BN / 2 || b.valid_hi < BN / 2 : b.valid < BN;
         return b;
       } else {
         return visit.block(i);
@@ -240,8 +259,9 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     if (kb.needs_mask) apply_mask(tSrS, tScS, visit, kb, t.q0);
     softmax.template update<true>(tSrS, alpha);
     convert_p();
-    RingState<Traits::kStages> prev = ring;
+    RingState<Traits::kStagesV> prev = v_ring;  // V of the block whose P V is next
     ring.advance();
+    v_ring.advance();
 
     for (int i = 1; i < n; ++i) {
       Barrier::wait(&st.k_full[ring.stage], ring.phase);
@@ -265,8 +285,9 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       // Most blocks leave every row's base in place (OnlineSoftmax::slack): no rescale.
       if (__any_sync(0xffffffffu, moved)) rescale_rows(tOrO, alpha);
       convert_p();
-      prev = ring;
+      prev = v_ring;
       ring.advance();
+      v_ring.advance();
     }
     Barrier::wait(&st.v_full[prev.stage], prev.phase);
     turns.wait_turn();

@@ -5,8 +5,9 @@
 //   DenseKeyRange: blocks 0, 1, ... of the key sequence up to the causal limit; padding masks,
 //                  causal (bottom-right), partial last block.
 //   SparseKeyList: the query tile's list of selected key tiles (q2k_index row), each tile of
-//                  tile_volume slots visited as tile_volume / kBlockN blocks; slots past
-//                  kv_block_sizes[tile] are masked.
+//                  tile_volume slots visited as tile_volume / kBlockN blocks, or (kHalves)
+//                  two tiles of kBlockN / 2 slots per block; slots past kv_block_sizes[tile]
+//                  are masked.
 #pragma once
 
 #include <cstdint>
@@ -23,12 +24,18 @@ struct KeyBlock {
   std::int64_t start = 0;   // sequence row of the block's first key
   int valid = 0;            // keys [start, start + valid) exist; the rest are masked
   bool needs_mask = false;  // some key of the block is invisible to some row of the tile
+  // Half-loaded blocks (SparseKeyList with kHalves): the second half's first row and valid
+  // keys; `valid` then counts the first half's only.
+  std::int64_t start_hi = 0;
+  int valid_hi = 0;
 };
 
 template <int kBlockN>
 struct DenseKeyRange {
   static constexpr bool kElementMask = true;  // causal / key padding possible
   static constexpr bool kProducerRecordsBlocks = false;  // block(i) is arithmetic
+  static constexpr bool kHalves = false;
+  static constexpr int kBlockKeys = kBlockN;
   std::int64_t len_q = 0, len_k = 0, k_end = 0;
   std::int64_t q0 = 0;
   const std::uint8_t* key_mask = nullptr;  // this sequence's row, or null
@@ -67,12 +74,17 @@ struct DenseKeyRange {
   }
 };
 
-template <int kBlockN>
+template <int kBlockN, bool kHalves_ = false>
 struct SparseKeyList {
   static constexpr bool kElementMask = false;  // only the per-tile valid length
   // block(i) reads the index (and block sizes) from global memory: the producer, which
   // needs it for the load anyway, records each block's valid length in shared memory.
   static constexpr bool kProducerRecordsBlocks = true;
+  // Blocks of two key tiles of kBlockN / 2 slots (tile_volume == kBlockN / 2): list entries
+  // 2i and 2i + 1; an odd list's last block repeats its tile in the second half, all masked
+  // (the rows loaded are real keys, so the masked products stay finite).
+  static constexpr bool kHalves = kHalves_;
+  static constexpr int kBlockKeys = kBlockN;
   const std::int32_t* list = nullptr;
   const std::int32_t* sizes = nullptr;  // null: every key tile is full
   int count = 0, blocks_per_tile = 1, tile_volume = kBlockN, kv_tiles = 0;
@@ -90,8 +102,30 @@ struct SparseKeyList {
     blocks_per_tile = s.tile_volume / kBlockN;
     kv_tiles = s.kv_tiles;
   }
-  __device__ __forceinline__ int num_blocks() const { return count * blocks_per_tile; }
+  __device__ __forceinline__ int num_blocks() const {
+    return kHalves ? (count + 1) / 2 : count * blocks_per_tile;
+  }
+  // Valid keys of key tile `tile` (0 for an out-of-range id: TMA zero-fills outside the
+  // tensor and every key is masked).
+  __device__ __forceinline__ int tile_keys(int tile) const {
+    const bool ok = tile >= 0 && tile < kv_tiles;
+    return ok ? (sizes ? __ldg(sizes + tile) : tile_volume) : 0;
+  }
   __device__ __forceinline__ KeyBlock block(int i) const {
+    if constexpr (kHalves) {
+      constexpr int kHalf = kBlockN / 2;
+      const int lo = __ldg(list + 2 * i);
+      const bool has_hi = 2 * i + 1 < count;
+      const int hi = has_hi ? __ldg(list + 2 * i + 1) : lo;
+      KeyBlock b;
+      b.start = static_cast<std::int64_t>(lo >= 0 && lo < kv_tiles ? lo : 0) * kHalf;
+      b.start_hi = static_cast<std::int64_t>(hi >= 0 && hi < kv_tiles ? hi : 0) * kHalf;
+      const int n_lo = tile_keys(lo), n_hi = has_hi ? tile_keys(hi) : 0;
+      b.valid = n_lo < 0 ? 0 : (n_lo > kHalf ? kHalf : n_lo);
+      b.valid_hi = n_hi < 0 ? 0 : (n_hi > kHalf ? kHalf : n_hi);
+      b.needs_mask = b.valid < kHalf || b.valid_hi < kHalf;
+      return b;
+    }
     const int tile = __ldg(list + i / blocks_per_tile);
     const int sub = i % blocks_per_tile;
     KeyBlock b;
@@ -115,7 +149,13 @@ __device__ __forceinline__ void apply_mask(Frag& s, const Coords& coords, const 
 #pragma unroll
   for (int v = 0; v < decltype(cute::size(s))::value; ++v) {
     const int col = cute::get<1>(coords(v));
-    bool ok = col < kb.valid;
+    bool ok;
+    if constexpr (Visit::kHalves) {
+      constexpr int kHalf = Visit::kBlockKeys / 2;
+      ok = col < kHalf ? col < kb.valid : col - kHalf < kb.valid_hi;
+    } else {
+      ok = col < kb.valid;
+    }
     if constexpr (Visit::kElementMask)
       ok = ok && visit.visible(q0 + cute::get<0>(coords(v)), kb.start + col);
     if (!ok) s(v) = -INFINITY;

@@ -18,15 +18,21 @@
 
 namespace vidattn::cuda_sm90 {
 
+// kStagesK / kStagesV: ring slots of K and V blocks. kHalfLoads: each kBlockN-key block is
+// filled by two TMA loads of kBlockN / 2 rows from independent places (two key tiles of half
+// the block's size), so the consumers run the full-width products on them.
 template <class Element_, int kHeadDim_, int kBlockN_, int kWGPerStream_, int kStreams_,
-          int kStages_>
+          int kStagesK_, int kStagesV_, bool kHalfLoads_ = false>
 struct FwdTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWGPerStream = kWGPerStream_;
   static constexpr int kStreams = kStreams_;
-  static constexpr int kStages = kStages_;
+  static constexpr int kStagesK = kStagesK_;
+  static constexpr int kStagesV = kStagesV_;
+  static constexpr bool kHalfLoads = kHalfLoads_;
+  static constexpr int kLoadRows = kHalfLoads ? kBlockN / 2 : kBlockN;  // rows per TMA load
   static constexpr int kBlockMStream = 64 * kWGPerStream;
   static constexpr int kBlockM = kBlockMStream * kStreams;  // query rows per CTA tile
   static constexpr int kConsumerWGs = kStreams * kWGPerStream;
@@ -46,14 +52,16 @@ struct FwdTraits {
       SmemAtom{}, cute::Shape<cute::Int<kBlockMStream>, cute::Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(cute::tile_to_shape(
       SmemAtom{},
-      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
-  using SmemLayoutV = SmemLayoutK;
+      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStagesK>>{}));
+  using SmemLayoutV = decltype(cute::tile_to_shape(
+      SmemAtom{},
+      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStagesV>>{}));
   // V seen as the B operand of O = P V: (head dim, keys), head dim contiguous (MN-major).
   // A view of the same bytes, not a second copy.
   using SmemLayoutVt = decltype(cute::composition(
       SmemLayoutV{},
       cute::make_ordered_layout(
-          cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStages>>{},
+          cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStagesV>>{},
           cute::Step<cute::_2, cute::_1, cute::_3>{})));
 
   // S = Q K^T from shared memory (SS); O += P V with P from registers (RS). One 64-row atom
@@ -79,10 +87,16 @@ struct FwdTraits {
       cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}));
   using TmaQ = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
                                             SmemLayoutQ{}));
+  // What one K / V load fills: a whole slot, or its first kLoadRows rows (the second half is
+  // the same layout shifted by whole swizzle periods).
+  using SmemLayoutKVLoad = decltype(cute::composition(
+      cute::take<0, 2>(SmemLayoutK{}),
+      cute::Layout<cute::Shape<cute::Int<kLoadRows>, cute::Int<kHeadDim>>,
+                   cute::Stride<cute::_1, cute::Int<kBlockN>>>{}));
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
-                                             cute::take<0, 2>(SmemLayoutK{})));
+                                             SmemLayoutKVLoad{}));
   static constexpr uint32_t kQBytes = kBlockMStream * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);  // per slot
 
   // One stream's tiles and barriers. 1024-byte alignment: the swizzle pattern repeats every
   // 1024 bytes and TMA and wgmma must agree on where it starts.
@@ -91,9 +105,10 @@ struct FwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutK>, 1024> k;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutV>, 1024> v;
     uint64_t q_full, q_empty;
-    uint64_t k_full[kStages], k_empty[kStages];
-    uint64_t v_full[kStages], v_empty[kStages];
-    int block_valid[kStages];  // keys of the block in each K slot (policies that record it)
+    uint64_t k_full[kStagesK], k_empty[kStagesK];
+    uint64_t v_full[kStagesV], v_empty[kStagesV];
+    // Keys of the block in each K slot, per load (policies that record it).
+    int block_valid[kStagesK][2];
   };
   struct SharedStorage {
     StreamStorage stream[kStreams];
