@@ -80,7 +80,7 @@ template <class Traits, class Visit>
 __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
                                               typename Traits::StreamStorage& st, int stream) {
   using namespace cute;
-  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockMStream, BN = Traits::kBlockN;
+  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockMStream;
   Tensor sQ = make_tensor(make_smem_ptr(st.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(st.k.data()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(st.v.data()), typename Traits::SmemLayoutV{});
