@@ -219,6 +219,17 @@ class DistributedAttention(torch.nn.Module):
             raise ValueError(f"DistributedAttention: the sequence has {seq_len} tokens but the "
                              f"tiling {self.tiling!r} has {self.tiling.num_tokens}")
 
+    def _vsa(self, q, k, v, gate) -> torch.Tensor:
+        """video_sparse_attention of this rank's heads over the full (unpadded) sequence,
+        in and out in raster order."""
+        from .vsa import video_sparse_attention
+        tiling = self.tiling
+        out = video_sparse_attention(
+            tiling.tile(q), tiling.tile(k), tiling.tile(v), tiling=tiling, topk=self.topk,
+            sparsity=self.sparsity, gate=None if gate is None else tiling.tile(gate),
+            scale=self.scale, sm_margin=self.sm_margin or 0)
+        return tiling.untile(out)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 seq_len: Optional[int] = None, cos: Optional[torch.Tensor] = None,
                 sin: Optional[torch.Tensor] = None, replicated_q: Optional[torch.Tensor] = None,
@@ -269,13 +280,7 @@ class DistributedAttention(torch.nn.Module):
                 if world > 1:
                     replicated_out = _gather_heads(replicated_out, world, group)
         else:
-            from .vsa import video_sparse_attention
-            tiling = self.tiling
-            out = video_sparse_attention(
-                tiling.tile(q), tiling.tile(k), tiling.tile(v), tiling=tiling, topk=self.topk,
-                sparsity=self.sparsity, gate=None if gate is None else tiling.tile(gate),
-                scale=self.scale, sm_margin=self.sm_margin or 0)
-            out = tiling.untile(out)
+            out = self._vsa(q, k, v, gate)
 
         if seq_len != padded:
             out = F.pad(out, (0, 0, 0, 0, 0, padded - seq_len))
@@ -303,7 +308,6 @@ class DistributedAttention(torch.nn.Module):
         """The VSA path over `chunks` head groups with the all-to-alls overlapping compute.
         Head j * h_local + c * hc + i of a tensor (h_local heads per rank, hc per chunk) is
         head i of chunk c on rank j."""
-        from .vsa import video_sparse_attention
         b, s_local = sharded[0].shape[0], sharded[0].shape[1]
         if b == 1:
             return self._vsa_pipelined_b1(sharded, world, group, seq_len, padded, cos, sin,
@@ -311,14 +315,12 @@ class DistributedAttention(torch.nn.Module):
         widths = [x.shape[2] // world // chunks * x.shape[3] for x in sharded]
         # Every chunk's all-to-all is issued up front: NCCL runs them in order while the
         # compute stream works on the chunks already received.
-        sm_margin = self.sm_margin or 0
         pending = []
         for c in range(chunks):
             parts = [x.reshape(b, s_local, world, chunks, w)[:, :, :, c].permute(2, 0, 1, 3)
                      for x, w in zip(sharded, widths)]
             pending.append(_all_to_all_start(torch.cat(parts, dim=-1), world, group))
         returning = []
-        tiling = self.tiling
         for c in range(chunks):
             recv = torch.ops._c10d_functional.wait_tensor(pending[c])
             full = recv.permute(1, 0, 2, 3).reshape(b, world * s_local, sum(widths))
@@ -329,11 +331,7 @@ class DistributedAttention(torch.nn.Module):
             if cos is not None:
                 q = apply_rope(q, cos, sin, interleaved=self.interleaved_rope)
                 k = apply_rope(k, cos, sin, interleaved=self.interleaved_rope)
-            out = video_sparse_attention(
-                tiling.tile(q), tiling.tile(k), tiling.tile(v), tiling=tiling, topk=self.topk,
-                sparsity=self.sparsity, gate=None if gate is None else tiling.tile(gate),
-                scale=self.scale, sm_margin=sm_margin)
-            out = tiling.untile(out)
+            out = self._vsa(q, k, v, gate)
             if seq_len != padded:
                 out = F.pad(out, (0, 0, 0, 0, 0, padded - seq_len))
             hc, dv = out.shape[2], out.shape[3]
@@ -350,10 +348,8 @@ class DistributedAttention(torch.nn.Module):
         fills. RoPE runs before the all-to-all, on this rank's positions, and is that pass for
         q and k (a view of the shard with the destination rank as the batch dimension); v and
         the gate are copied. What arrives is already [1, world * S_local, hc, D]."""
-        from .vsa import video_sparse_attention
         rank = dist.get_rank(group)
         s_local = sharded[0].shape[1]
-        tiling = self.tiling
         tables = None
         if cos is not None:
             # This rank's rows of the tables; rows past seq_len (padding) rotate to 0.
@@ -383,11 +379,7 @@ class DistributedAttention(torch.nn.Module):
             ts = [t.reshape(1, world * s_local, t.shape[2], t.shape[3])[:, :seq_len] for t in ts]
             q, k, v = ts[:3]
             gate = ts[3] if len(ts) == 4 else None
-            out = video_sparse_attention(
-                tiling.tile(q), tiling.tile(k), tiling.tile(v), tiling=tiling, topk=self.topk,
-                sparsity=self.sparsity, gate=None if gate is None else tiling.tile(gate),
-                scale=self.scale, sm_margin=self.sm_margin or 0)
-            out = tiling.untile(out)
+            out = self._vsa(q, k, v, gate)
             if seq_len != padded:
                 out = F.pad(out, (0, 0, 0, 0, 0, padded - seq_len))
             hc, dv = out.shape[2], out.shape[3]
