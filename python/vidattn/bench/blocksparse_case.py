@@ -193,11 +193,6 @@ class FastVideoBlockSparse(Impl):
 
 class BlockSparseCase(Case):
     name = "blocksparse"
-    grad_names = ("dq", "dk", "dv")
-
-    def __init__(self, impls, peer_order):
-        self.impls = tuple(impls)
-        self.peer_order = tuple(peer_order)
 
     def forward_flops(self, shape: Shape) -> float:
         keys = topk_of(shape) * BLOCK_SPARSE_TILE  # Sk_eff (targets.md)

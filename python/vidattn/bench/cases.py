@@ -109,6 +109,10 @@ class Case:
     peer_order: Sequence[str] = ()
     directions: Sequence[str] = ("fwd", "bwd")  # the directions this case can check
 
+    def __init__(self, impls: Sequence[Impl], peer_order: Sequence[str]):
+        self.impls = tuple(impls)
+        self.peer_order = tuple(peer_order)
+
     def accepts(self, shape: Shape) -> bool:
         """Whether ``shape`` is a problem of this case (dense, block-sparse or video grid)."""
         return shape.kind == self.name
@@ -137,7 +141,7 @@ class Case:
         return tuple(grads)
 
     output_names = ("out",)
-    grad_names: tuple[str, ...] = ()
+    grad_names: tuple[str, ...] = ("dq", "dk", "dv")  # every case differentiates q, k, v
 
 
 # ---- dense attention -------------------------------------------------------------------
@@ -197,11 +201,6 @@ class SdpaDense(Impl):
 
 class DenseCase(Case):
     name = "dense"
-    grad_names = ("dq", "dk", "dv")
-
-    def __init__(self, impls: Sequence[Impl], peer_order: Sequence[str]):
-        self.impls = tuple(impls)
-        self.peer_order = tuple(peer_order)
 
     def forward_flops(self, shape: Shape) -> float:
         flops = 4.0 * shape.batch * shape.heads * shape.q_len * shape.kv_len * shape.head_dim

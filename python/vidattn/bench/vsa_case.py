@@ -175,11 +175,6 @@ def _vsa_reference64(q, k, v, tiling, index, count, scale, coarse: bool):
 
 class VsaCase(Case):
     name = "vsa"
-    grad_names = ("dq", "dk", "dv")
-
-    def __init__(self, impls, peer_order):
-        self.impls = tuple(impls)
-        self.peer_order = tuple(peer_order)
 
     def accepts(self, shape: Shape) -> bool:
         return shape.grid is not None
