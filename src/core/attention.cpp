@@ -27,11 +27,6 @@ void AttentionProblem::lse_shape(std::int64_t* shape) const {
 
 namespace {
 
-bool is_float(DType t) {
-  return t == DType::kFloat32 || t == DType::kFloat16 || t == DType::kBFloat16 ||
-         t == DType::kFloat64;
-}
-
 void check_output(const detail::ArgChecker& check, const TensorView& t, const char* name,
                   int ndim, const std::int64_t* shape, DType dtype, Device device) {
   check.non_null(t, name);
@@ -69,7 +64,7 @@ AttentionProblem describe(const char* function, const TensorView& q, const Tenso
   check.ndim(q, "q", nd, q_layout);
   check.ndim(k, "k", nd, p.varlen ? "[Tk, Hkv, D]" : "[B, Sk, Hkv, D]");
   check.ndim(v, "v", nd, p.varlen ? "[Tk, Hkv, Dv]" : "[B, Sk, Hkv, Dv]");
-  if (!is_float(q.dtype))
+  if (!detail::is_float_dtype(q.dtype))
     detail::throw_type_error(function, ": argument 'q' must be float32, float16, bfloat16 or "
                              "float64, got ", dtype_name(q.dtype));
   check.dtype(k, "k", q.dtype);

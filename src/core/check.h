@@ -28,6 +28,12 @@ template <class... Parts>
   throw TypeError(concat(std::forward<Parts>(parts)...));
 }
 
+// The floating-point storage types every op accepts somewhere (backends narrow it further).
+inline bool is_float_dtype(DType t) {
+  return t == DType::kFloat32 || t == DType::kFloat16 || t == DType::kBFloat16 ||
+         t == DType::kFloat64;
+}
+
 // One checker per entry point, so every message starts with the function's public name.
 class ArgChecker {
  public:

@@ -13,16 +13,11 @@
 namespace vidattn {
 namespace {
 
-bool is_float(DType t) {
-  return t == DType::kFloat32 || t == DType::kFloat16 || t == DType::kBFloat16 ||
-         t == DType::kFloat64;
-}
-
 RopeProblem describe(const char* function, const TensorView& x, const TensorView& cos,
                      const TensorView& sin, const RopeOptions& o) {
   const detail::ArgChecker check(function);
   check.ndim(x, "x", 4, "[B, S, H, D]");
-  if (!is_float(x.dtype))
+  if (!detail::is_float_dtype(x.dtype))
     detail::throw_type_error(function, ": argument 'x' must be float32, float16, bfloat16 or "
                              "float64, got ", dtype_name(x.dtype));
   // An empty tensor's strides are arbitrary (e.g. the expanded gradient of sum()).
@@ -38,7 +33,7 @@ RopeProblem describe(const char* function, const TensorView& x, const TensorView
 
   check.ndim(cos, "cos", 2, "[S, D] or [S, D/2]");
   check.ndim(sin, "sin", 2, "[S, D] or [S, D/2]");
-  if (!is_float(cos.dtype))
+  if (!detail::is_float_dtype(cos.dtype))
     detail::throw_type_error(function, ": argument 'cos' must be float32, float16, bfloat16 or "
                              "float64, got ", dtype_name(cos.dtype));
   check.dtype(sin, "sin", cos.dtype);

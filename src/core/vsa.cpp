@@ -17,13 +17,8 @@ namespace {
 
 using detail::ArgChecker;
 
-bool is_float(DType t) {
-  return t == DType::kFloat32 || t == DType::kFloat16 || t == DType::kBFloat16 ||
-         t == DType::kFloat64;
-}
-
 void float_dtype(const ArgChecker& check, const TensorView& t, const char* name) {
-  if (!is_float(t.dtype))
+  if (!detail::is_float_dtype(t.dtype))
     detail::throw_type_error(check.function(), ": argument '", name,
                              "' must be float32, float16, bfloat16 or float64, got ",
                              dtype_name(t.dtype));

@@ -16,11 +16,6 @@ namespace {
 
 using detail::ArgChecker;
 
-bool is_float(DType t) {
-  return t == DType::kFloat32 || t == DType::kFloat16 || t == DType::kBFloat16 ||
-         t == DType::kFloat64;
-}
-
 struct CombineShape {
   std::int64_t batch, tiles, heads, head_dim;
 };
@@ -34,7 +29,7 @@ CombineShape check_combine(const ArgChecker& check, const TensorView& slots,
   if (!is_supported_tile_volume(tile_volume))
     check.fail("tile volume must be 64, 128 or 256, got ", tile_volume);
   check.ndim(slots, slots_name, 4, "[B, Tiles * V, H, D]");
-  if (!is_float(slots.dtype))
+  if (!detail::is_float_dtype(slots.dtype))
     detail::throw_type_error(check.function(), ": argument '", slots_name,
                              "' must be float32, float16, bfloat16 or float64, got ",
                              dtype_name(slots.dtype));
