@@ -131,6 +131,23 @@ __device__ __forceinline__ SparseWalk sparse_query_walk(const AttentionParams& p
   return w;
 }
 
+// The key blocks that a block of `block_rows` queries starting at q0 visits (the forward and
+// the dQ pass walk alike), and through `rows` its valid query rows (sparse: padded query
+// slots are dead rows).
+template <bool kSparse, int BK>
+__device__ __forceinline__ auto query_block_walk(const AttentionParams& p, const Sequence& seq,
+                                                 const MaskInfo& mask, int b, int h,
+                                                 std::int64_t q0, int block_rows,
+                                                 std::int64_t& rows) {
+  if constexpr (kSparse) {
+    rows = sparse_query_rows(p, q0, block_rows);
+    return sparse_key_walk(p, b, h, q0, rows);
+  } else {
+    rows = seq.len_q - q0 < block_rows ? seq.len_q - q0 : block_rows;
+    return DenseWalk<BK>{0, key_end(mask, q0, rows), seq.len_k};
+  }
+}
+
 // Keys [0, key_end) visible to every query (the sparse kernels' only key mask).
 __device__ __forceinline__ MaskInfo key_limit_mask(std::int64_t len_q, std::int64_t key_end) {
   MaskInfo m;

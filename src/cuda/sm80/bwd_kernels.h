@@ -246,15 +246,7 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
   if (q0 >= seq.len_q) return;
   const MaskInfo mask = mask_info(p, seq);
   std::int64_t rows;  // valid query rows (sparse: padded slots are zero-filled, dead rows)
-  const auto walk = [&] {
-    if constexpr (kSparse) {
-      rows = sparse_query_rows(p, q0, BQ);
-      return sparse_key_walk(p, b, h, q0, rows);
-    } else {
-      rows = seq.len_q - q0 < BQ ? seq.len_q - q0 : BQ;
-      return DenseWalk<BK>{0, key_end(mask, q0, rows), seq.len_k};
-    }
-  }();
+  const auto walk = query_block_walk<kSparse, BK>(p, seq, mask, b, h, q0, BQ, rows);
   const int steps = walk.steps();
   int step = walk.next(0);
 

@@ -54,15 +54,7 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
   // Valid query rows of the block (the rest are zero-filled and written as empty rows) and
   // the key blocks they visit.
   std::int64_t rows;
-  const auto walk = [&] {
-    if constexpr (kSparse) {
-      rows = sparse_query_rows(p, q0, BQ);
-      return sparse_key_walk(p, b, h, q0, rows);
-    } else {
-      rows = seq.len_q - q0 < BQ ? seq.len_q - q0 : BQ;
-      return DenseWalk<BK>{0, key_end(mask, q0, rows), seq.len_k};
-    }
-  }();
+  const auto walk = query_block_walk<kSparse, BK>(p, seq, mask, b, h, q0, BQ, rows);
   const int steps = walk.steps();
   int step = walk.next(0);
 
