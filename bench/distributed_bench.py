@@ -53,8 +53,9 @@ def parse_args(argv):
     p.add_argument("--tile", default="4x4x4", help="VSA tile")
     p.add_argument("--no-rope", action="store_true", help="skip RoPE in the layer")
     p.add_argument("--head-chunks", default="",
-                   help="VSA: comma list of DistributedAttention head_chunks to time on 2 GPUs "
-                        "(default: the layer's default)")
+                   help="VSA: comma list of DistributedAttention head_chunks to time on 2 GPUs: "
+                        "N (equal chunks) or sizes joined by ':' such as 2:8:8:2 (default: the "
+                        "layer's default)")
     p.add_argument("--sm-margins", default="",
                    help="VSA: comma list of DistributedAttention sm_margin values to time on "
                         "2 GPUs (default: the layer's default)")
@@ -121,7 +122,9 @@ class Bench:
         --sm-margins sweep for VSA."""
         if case != "vsa":
             return [{}]
-        chunks = [int(c) for c in self.args.head_chunks.split(",") if c] or [None]
+        # "2" -> 2 equal chunks; "2:8:8:2" -> chunks of those head counts.
+        chunks = [int(c) if ":" not in c else tuple(int(n) for n in c.split(":"))
+                  for c in self.args.head_chunks.split(",") if c] or [None]
         margins = [int(m) for m in self.args.sm_margins.split(",") if m] or [None]
         return [{k: v for k, v in (("head_chunks", c), ("sm_margin", m)) if v is not None}
                 for c in chunks for m in margins]

@@ -6,7 +6,7 @@
 #
 #   OUT=/tmp/run bash tools/gpu_runner.sh            # everything
 #   STAGES="build pytest" bash tools/gpu_runner.sh   # a subset (build pytest cpp sanitizer bench
-#                                                    # bench_dense bench_sparse profile distributed)
+#                                                    # bench_dense bench_sparse profile distributed alltoall)
 #   DIST_ARGS="--cases vsa --sm-margins 0,16" selects the distributed bench's arguments.
 #   PYTEST_ARGS="-k cuda" bash tools/gpu_runner.sh   # extra pytest arguments
 #   CMAKE_ARGS="-DVIDATTN_CUDA_TARGETS=90a" bash tools/gpu_runner.sh   # extra configure arguments
@@ -114,6 +114,24 @@ if [ $BUILD_OK = 1 ]; then
     else
       echo "=== distributed: skipped (needs 2 GPUs)"
     fi
+  fi
+  if has alltoall && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+    # NCCL all-to-all bandwidth alone and beside a matmul, one run per NCCL setting
+    # (ALLTOALL_ENVS: ';'-separated settings, 'default' for none); the first run logs NCCL's
+    # transport choice (NCCL_DEBUG=INFO) to alltoall_nccl_info.log.
+    i=0
+    IFS=';' read -ra settings <<<"${ALLTOALL_ENVS:-default}"
+    for setting in "${settings[@]}"; do
+      extra=(); [ "$setting" != default ] && read -ra extra <<<"$setting"
+      debug=(); [ $i = 0 ] && debug=(NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM,TUNING \
+        NCCL_DEBUG_FILE="$LOGS/alltoall_nccl_info.%h.%p.log")
+      stage "alltoall_$i" 120 env NCCL_NVLS_ENABLE=0 "${debug[@]}" "${extra[@]}" \
+        $PYTHON -m torch.distributed.run --nproc_per_node 2 tools/bench_alltoall.py \
+        --label "$setting" --out "$OUT/alltoall_$i.json"
+      i=$((i + 1))
+    done
+    cat "$LOGS"/alltoall_nccl_info.*.log 2>/dev/null | grep -E "via|Channel|NCCL version|P2P|proto" \
+      | sort | uniq -c | sort -rn | head -60 >"$OUT/alltoall_nccl_info.txt"
   fi
   if has bench_dense; then
     stage bench_dense 200 $PYTHON tools/bench_dense_cuda.py "$OUT/bench_dense_cuda.json"

@@ -9,7 +9,7 @@ without graph breaks.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -128,12 +128,15 @@ class DistributedAttention(torch.nn.Module):
     ``seq_len == tiling.num_tokens``) and ``topk`` or ``sparsity``; the layer tiles the
     gathered sequence after RoPE and untiles the result. ``gate`` (``[B, S_local, H, D]``,
     sharded like q) is optional. Replicated tokens are not supported with VSA (its tiles cover
-    the video grid only). VSA is fast enough for the all-to-alls to show, so the layer
-    pipelines it over ``head_chunks`` groups of this rank's heads (default 2 where they split
-    evenly): chunk c + 1 travels while chunk c is computed, and chunk c's output
-    travels back while chunk c + 1 is computed. Heads are independent, so the result is the
-    same. With B = 1 the pipeline applies RoPE on each rank's own positions before the
-    all-to-all, writing straight into the send buffers (no separate packing copy).
+    the video grid only). VSA is fast enough for the all-to-alls to show, so the
+    layer pipelines it over head chunks of this rank's heads: chunk c + 1 travels while chunk
+    c is computed, and chunk c's output travels back while chunk c + 1 is computed.
+    ``head_chunks``: an int (that many equal chunks) or the head count of each chunk (e.g.
+    ``(2, 8, 8, 2)``: a small first chunk shortens the wait before compute starts, a small
+    last one the wait after it); default 2 equal chunks where they split evenly. Heads are
+    independent, so the result is the same. With B = 1 the pipeline applies RoPE on each
+    rank's own positions before the all-to-all, writing straight into the send buffers (no
+    separate packing copy).
     ``sm_margin`` (default 0) is passed to the sparse kernel (see
     :func:`vidattn.block_sparse_attention`): SMs it leaves to kernels running alongside.
 
@@ -142,11 +145,17 @@ class DistributedAttention(torch.nn.Module):
 
     def __init__(self, backend: str = "dense", *, group=None, scale: Optional[float] = None,
                  interleaved_rope: bool = True, tiling=None, topk: Optional[int] = None,
-                 sparsity: Optional[float] = None, head_chunks: Optional[int] = None,
+                 sparsity: Optional[float] = None,
+                 head_chunks: Union[int, Sequence[int], None] = None,
                  sm_margin: Optional[int] = None):
         super().__init__()
-        if head_chunks is not None and int(head_chunks) < 1:
-            raise ValueError(f"DistributedAttention: head_chunks must be >= 1, got {head_chunks}")
+        if head_chunks is not None:
+            sizes = [head_chunks] if isinstance(head_chunks, int) else list(head_chunks)
+            if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):
+                raise ValueError(f"DistributedAttention: head_chunks must be an int >= 1 or a "
+                                 f"non-empty sequence of ints >= 1, got {head_chunks!r}")
+        if topk is not None and int(topk) < 1:
+            raise ValueError(f"DistributedAttention: topk must be >= 1, got {topk}")
         if sm_margin is not None and int(sm_margin) < 0:
             raise ValueError(f"DistributedAttention: sm_margin must be >= 0, got {sm_margin}")
         if backend not in _BACKENDS:
@@ -169,7 +178,8 @@ class DistributedAttention(torch.nn.Module):
         self.tiling = tiling
         self.topk = topk
         self.sparsity = sparsity
-        self.head_chunks = None if head_chunks is None else int(head_chunks)
+        self.head_chunks = (head_chunks if head_chunks is None or isinstance(head_chunks, int)
+                            else tuple(head_chunks))
         self.sm_margin = None if sm_margin is None else int(sm_margin)
 
     def extra_repr(self) -> str:
@@ -248,18 +258,18 @@ class DistributedAttention(torch.nn.Module):
         seq_len = padded if seq_len is None else int(seq_len)
         self._check(q, k, v, seq_len, world, cos, sin, replicated, gate)
 
-        sharded = [q, k, v] if gate is None else [q, k, v, gate]
-        chunks = self._vsa_chunks(sharded, world)
-        if chunks > 1:
-            return self._vsa_pipelined(sharded, world, group, seq_len, padded, cos, sin, chunks)
+        if self.backend == "vsa" and world > 1:
+            sharded = [q, k, v] if gate is None else [q, k, v, gate]
+            return self._vsa_pipelined(sharded, world, group, seq_len, padded, cos, sin,
+                                       self._head_ranges(sharded, world))
 
         # Full sequence, this rank's heads.
+        sharded = [q, k, v]
         if world > 1:
             sharded = _sequence_to_heads(sharded, world, group)
         if seq_len != padded:
             sharded = [t[:, :seq_len] for t in sharded]
-        q, k, v = sharded[:3]
-        gate = sharded[3] if gate is not None else None
+        q, k, v = sharded
         if cos is not None:
             q = apply_rope(q, cos, sin, interleaved=self.interleaved_rope)
             k = apply_rope(k, cos, sin, interleaved=self.interleaved_rope)
@@ -279,8 +289,8 @@ class DistributedAttention(torch.nn.Module):
                 out = out[:, :seq_len]
                 if world > 1:
                     replicated_out = _gather_heads(replicated_out, world, group)
-        else:
-            out = self._vsa(q, k, v, gate)
+        else:  # one rank (world > 1 took the pipelined path above)
+            out = self._vsa(q, k, v, None if gate is None else gate[:, :seq_len])
 
         if seq_len != padded:
             out = F.pad(out, (0, 0, 0, 0, 0, padded - seq_len))
@@ -288,44 +298,69 @@ class DistributedAttention(torch.nn.Module):
             out = _heads_to_sequence(out, world, group)
         return out if replicated is None else (out, replicated_out)
 
-    def _vsa_chunks(self, sharded, world: int) -> int:
-        """How many head groups the VSA path pipelines (1: no pipeline)."""
-        if self.backend != "vsa" or world == 1:
-            return 1
-        if self.head_chunks is None:  # 2 where it divides every tensor's heads
-            return 2 if all((x.shape[2] // world) % 2 == 0 for x in sharded) else 1
-        wanted = self.head_chunks
-        if wanted > 1 and all((x.shape[2] // world) % wanted == 0 for x in sharded):
-            return wanted
-        if wanted > 1:
-            raise ValueError(f"DistributedAttention: head_chunks={self.head_chunks} must divide "
-                             f"every tensor's heads per rank, got "
+    def _head_ranges(self, sharded, world: int) -> List[tuple]:
+        """This rank's q heads split into the VSA pipeline's chunks, ``[(h0, h1), ...]``.
+        Every tensor's heads must split at the same places (grouped k / v heads)."""
+        h_local = sharded[0].shape[2] // world
+        spec = self.head_chunks
+        if spec is None:  # 2 equal chunks where they split every tensor's heads, else 1
+            sizes = [h_local // 2] * 2 if h_local % 2 == 0 else [h_local]
+            if not self._ranges_fit(sizes, sharded, world):
+                sizes = [h_local]
+        elif isinstance(spec, int):
+            if h_local % spec != 0:
+                raise ValueError(f"DistributedAttention: head_chunks={spec} must divide the "
+                                 f"{h_local} heads per rank")
+            sizes = [h_local // spec] * spec
+        else:
+            sizes = list(spec)
+            if sum(sizes) != h_local:
+                raise ValueError(f"DistributedAttention: head_chunks={list(spec)} must sum to the "
+                                 f"{h_local} heads per rank")
+        if not self._ranges_fit(sizes, sharded, world):
+            raise ValueError(f"DistributedAttention: head_chunks={spec} must split every "
+                             f"tensor's heads per rank evenly, got "
                              f"{[x.shape[2] // world for x in sharded]}")
-        return 1
+        bounds = [0]
+        for size in sizes:
+            bounds.append(bounds[-1] + size)
+        return list(zip(bounds[:-1], bounds[1:]))
+
+    @staticmethod
+    def _ranges_fit(sizes, sharded, world: int) -> bool:
+        h_local = sharded[0].shape[2] // world
+        edge = 0
+        for size in sizes:
+            edge += size
+            if any(edge * (x.shape[2] // world) % h_local for x in sharded):
+                return False
+        return True
 
     def _vsa_pipelined(self, sharded, world: int, group, seq_len: int, padded: int, cos, sin,
-                       chunks: int) -> torch.Tensor:
-        """The VSA path over `chunks` head groups with the all-to-alls overlapping compute.
-        Head j * h_local + c * hc + i of a tensor (h_local heads per rank, hc per chunk) is
-        head i of chunk c on rank j."""
+                       ranges) -> torch.Tensor:
+        """The VSA path (world > 1) over the head chunks `ranges` of this rank's heads, with
+        the all-to-alls overlapping compute: chunk c + 1 travels while chunk c computes, and
+        chunk c's output travels back while chunk c + 1 computes. Head j * h_local + h of a
+        tensor is head h of the chunk list on rank j. sharded: q, k, v and the gate, if any."""
         b, s_local = sharded[0].shape[0], sharded[0].shape[1]
         if b == 1:
             return self._vsa_pipelined_b1(sharded, world, group, seq_len, padded, cos, sin,
-                                          chunks)
-        widths = [x.shape[2] // world // chunks * x.shape[3] for x in sharded]
+                                          ranges)
+        h_local = sharded[0].shape[2] // world
         # Every chunk's all-to-all is issued up front: NCCL runs them in order while the
         # compute stream works on the chunks already received.
-        pending = []
-        for c in range(chunks):
-            parts = [x.reshape(b, s_local, world, chunks, w)[:, :, :, c].permute(2, 0, 1, 3)
-                     for x, w in zip(sharded, widths)]
+        pending, widths = [], []
+        for h0, h1 in ranges:
+            parts = [_head_slice(x, world, h_local, h0, h1).permute(2, 0, 1, 3, 4).flatten(-2)
+                     for x in sharded]  # [world (destination), B, S_local, hc * D]
+            widths.append([part.shape[-1] for part in parts])
             pending.append(_all_to_all_start(torch.cat(parts, dim=-1), world, group))
         returning = []
-        for c in range(chunks):
+        for c in range(len(ranges)):
             recv = torch.ops._c10d_functional.wait_tensor(pending[c])
-            full = recv.permute(1, 0, 2, 3).reshape(b, world * s_local, sum(widths))
-            ts = [chunk.unflatten(-1, (w // x.shape[3], x.shape[3]))[:, :seq_len]
-                  for chunk, x, w in zip(torch.split(full, widths, dim=-1), sharded, widths)]
+            full = recv.permute(1, 0, 2, 3).reshape(b, world * s_local, sum(widths[c]))
+            ts = [chunk.unflatten(-1, (-1, x.shape[3]))[:, :seq_len]
+                  for chunk, x in zip(torch.split(full, widths[c], dim=-1), sharded)]
             q, k, v = ts[:3]
             gate = ts[3] if len(ts) == 4 else None
             if cos is not None:
@@ -337,12 +372,14 @@ class DistributedAttention(torch.nn.Module):
             hc, dv = out.shape[2], out.shape[3]
             send = out.reshape(b, world, s_local, hc * dv).permute(1, 0, 2, 3).contiguous()
             returning.append(_all_to_all_start(send, world, group))
-        # [world (head group), B, S_local, hc * Dv] per chunk -> [B, S_local, H, Dv].
-        back = [torch.ops._c10d_functional.wait_tensor(r).permute(1, 2, 0, 3) for r in returning]
-        return torch.stack(back, dim=3).reshape(b, s_local, world * chunks * hc, dv)
+        # [world (head group), B, S_local, hc * Dv] per chunk -> [B, S_local, world, hc, Dv].
+        back = [torch.ops._c10d_functional.wait_tensor(r).permute(1, 2, 0, 3)
+                .unflatten(-1, (h1 - h0, -1)) for r, (h0, h1) in zip(returning, ranges)]
+        out = torch.cat(back, dim=3)
+        return out.reshape(b, s_local, world * h_local, out.shape[-1])
 
     def _vsa_pipelined_b1(self, sharded, world: int, group, seq_len: int, padded: int, cos,
-                          sin, chunks: int) -> torch.Tensor:
+                          sin, ranges) -> torch.Tensor:
         """_vsa_pipelined for B = 1 without the packing copy: the tensors of a chunk travel
         in separate all-to-alls, each sent from a [world, S_local, hc, D] buffer that one pass
         fills. RoPE runs before the all-to-all, on this rank's positions, and is that pass for
@@ -350,6 +387,7 @@ class DistributedAttention(torch.nn.Module):
         the gate are copied. What arrives is already [1, world * S_local, hc, D]."""
         rank = dist.get_rank(group)
         s_local = sharded[0].shape[1]
+        h_local = sharded[0].shape[2] // world
         tables = None
         if cos is not None:
             # This rank's rows of the tables; rows past seq_len (padding) rotate to 0.
@@ -357,9 +395,8 @@ class DistributedAttention(torch.nn.Module):
             tables = [F.pad(t[lo:hi], (0, 0, 0, s_local - (hi - lo))) for t in (cos, sin)]
 
         def send_buffer(x, c, rotate):
-            h_local = x.shape[2] // world
-            view = x[0].view(s_local, world, chunks, h_local // chunks, x.shape[3])[:, :, c]
-            view = view.permute(1, 0, 2, 3)  # [world (destination), S_local, hc, D]
+            # [world (destination), S_local, hc, D]
+            view = _head_slice(x, world, h_local, *ranges[c])[0].permute(1, 0, 2, 3)
             if rotate and tables is not None:
                 return apply_rope(view, tables[0], tables[1], interleaved=self.interleaved_rope)
             return view.contiguous()
@@ -368,9 +405,14 @@ class DistributedAttention(torch.nn.Module):
             return [_all_to_all_start(send_buffer(x, c, i < 2), world, group)
                     for i, x in enumerate(sharded)]
 
+        def place(c):  # chunk c's heads of this rank's rows, back from every head group
+            back = torch.ops._c10d_functional.wait_tensor(returning[c])
+            result[:, :, ranges[c][0]:ranges[c][1]].copy_(back.permute(1, 0, 2, 3))
+
         # Chunks 0 and 1 are packed and sent up front; chunk c + 2 is packed after chunk c's
         # compute is queued, so its all-to-all runs beside chunk c + 1's compute and the
         # packing of later chunks does not delay the first compute.
+        chunks = len(ranges)
         pending = {c: issue(c) for c in range(min(2, chunks))}
         returning = []
         result = None
@@ -387,13 +429,18 @@ class DistributedAttention(torch.nn.Module):
             if c + 2 < chunks:
                 pending[c + 2] = issue(c + 2)
             if result is None:
-                result = out.new_empty(s_local, world, chunks, hc, dv)
+                result = out.new_empty(s_local, world, h_local, dv)
             # Chunk c - 1 came back while chunk c computed: place it now, so that only the
-            # last chunk's placement follows the last compute. Chunk c of rank j holds heads
-            # j * h_local + c * hc + [0, hc) of this rank's rows.
+            # last chunk's placement follows the last compute.
             if c >= 1:
-                back = torch.ops._c10d_functional.wait_tensor(returning[c - 1])
-                result[:, :, c - 1].copy_(back.permute(1, 0, 2, 3))
-        back = torch.ops._c10d_functional.wait_tensor(returning[chunks - 1])
-        result[:, :, chunks - 1].copy_(back.permute(1, 0, 2, 3))
-        return result.view(1, s_local, world * chunks * hc, dv)
+                place(c - 1)
+        place(chunks - 1)
+        return result.view(1, s_local, world * h_local, dv)
+
+
+def _head_slice(x: torch.Tensor, world: int, h_local: int, h0: int, h1: int) -> torch.Tensor:
+    """[B, S_local, world, hc, D] view of x's heads of chunk [h0, h1) (counted in q heads,
+    h_local per rank) in every rank's head group; grouped k / v heads scale the range."""
+    x_local = x.shape[2] // world
+    lo, hi = h0 * x_local // h_local, h1 * x_local // h_local
+    return x.reshape(x.shape[0], x.shape[1], world, x_local, x.shape[3])[:, :, :, lo:hi]

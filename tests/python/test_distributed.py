@@ -228,20 +228,22 @@ def _vsa_head_chunks(rank, world):
                       heads=4 * world, gate=True, rope="half", batch=1)
     tiling = vidattn.VideoTiling(grid=grid, tile=(4, 4, 4))
     results = []
-    for chunks, margin in ((1, None), (2, None), (4, None), (2, 0), (2, 8)):
+    for chunks, margin in ((1, None), (2, None), (4, None), (2, 0), (2, 8), ((1, 3), None),
+                           ((1, 2, 1), None), ([3, 1], None)):
         module = vidattn.DistributedAttention("vsa", tiling=tiling, topk=2, head_chunks=chunks,
                                               sm_margin=margin)
         results.append(_run_sharded(case, module, world, rank)[0])
     for other in results[1:]:
         for name, value in results[0].items():
             assert torch.equal(value, other[name]), name
-    bad = vidattn.DistributedAttention("vsa", tiling=tiling, topk=2, head_chunks=3)
-    try:
-        _run_sharded(case, bad, world, rank)
-    except ValueError as e:
-        assert "head_chunks=3" in str(e)
-    else:
-        raise AssertionError("head_chunks=3 with 4 heads per rank did not raise")
+    for spec, text in ((3, "head_chunks=3 must divide"), ((1, 2), "must sum to the 4 heads")):
+        bad = vidattn.DistributedAttention("vsa", tiling=tiling, topk=2, head_chunks=spec)
+        try:
+            _run_sharded(case, bad, world, rank)
+        except ValueError as e:
+            assert text in str(e), str(e)
+        else:
+            raise AssertionError(f"head_chunks={spec} with 4 heads per rank did not raise")
 
 
 def _compile_check(rank, world):
@@ -500,6 +502,9 @@ def test_bad_arguments():
         vidattn.DistributedAttention(topk=2)
     with pytest.raises(ValueError, match="sm_margin must be >= 0"):
         vidattn.DistributedAttention(sm_margin=-1)
+    for chunks in (0, (), (2, 0), (1.5,)):
+        with pytest.raises(ValueError, match="head_chunks must be an int >= 1"):
+            vidattn.DistributedAttention(head_chunks=chunks)
     with pytest.raises(ValueError, match="seq_len must be in"):
         layer(x, x, x, seq_len=7)
     with pytest.raises(ValueError, match="q must be a 4-D"):
