@@ -59,6 +59,14 @@ def parse_args(argv):
     p.add_argument("--sm-margins", default="",
                    help="VSA: comma list of DistributedAttention sm_margin values to time on "
                         "2 GPUs (default: the layer's default)")
+    p.add_argument("--transports", default="",
+                   help="VSA: comma list of DistributedAttention transports to time on 2 GPUs "
+                        "(nccl, copy_engine, auto; default: the layer's default)")
+    p.add_argument("--nccl-groups", default="",
+                   help="';'-separated NCCL communicator options for the 2-GPU layer's group, "
+                        "each 'default' or 'key=value,...' over max_ctas, min_ctas, cta_policy "
+                        "(e.g. 'default;max_ctas=8'); every case and direction is timed with "
+                        "each (default: the world group only)")
     p.add_argument("--trace", default=None,
                    help="also write a torch.profiler (kineto) Chrome trace of 3 2-GPU steps of "
                         "each case and direction to TRACE.<case>-<dir>.rank<r>.json")
@@ -72,6 +80,18 @@ def parse_args(argv):
                    help="cuda (NCCL) or cpu (gloo, for a smoke test)")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/...)")
     return p.parse_args(argv)
+
+
+def nccl_group(spec: str):
+    """None (the world group) or a new NCCL group of both ranks with the communicator options
+    in spec ('max_ctas=8,cta_policy=1')."""
+    if spec == "default" or not dist.is_nccl_available():
+        return None
+    opts = dist.ProcessGroupNCCL.Options()
+    for item in spec.split(","):
+        key, value = item.split("=")
+        setattr(opts.config, key.strip(), int(value))
+    return dist.new_group(backend="nccl", pg_options=opts)
 
 
 def dims(text):
@@ -100,6 +120,8 @@ class Bench:
         # Every rank creates every group; the one-rank group gives the 1-GPU layer (no collective).
         self.solo = dist.new_group([0])
         dist.new_group([1])
+        # 2-GPU groups with NCCL communicator options (--nccl-groups), made by every rank.
+        self.nccl_groups = {spec: nccl_group(spec) for spec in args.nccl_groups.split(";") if spec}
         gen = torch.Generator().manual_seed(0)
         b, h, d = args.batch, args.heads, args.head_dim
         full = lambda: torch.randn(b, self.tokens, h, d, generator=gen).to(self.device, self.dtype)  # noqa: E731
@@ -111,6 +133,9 @@ class Bench:
 
     # -- layers and inputs ----------------------------------------------------------------
     def layer(self, case, group, config=None):
+        config = dict(config or {})
+        if "nccl" in config:
+            group = self.nccl_groups[config.pop("nccl")]
         if case == "dense":
             return vidattn.DistributedAttention("dense", group=group)
         tiling = vidattn.VideoTiling(grid=self.grid, tile=dims(self.args.tile), device=self.device)
@@ -119,15 +144,21 @@ class Bench:
 
     def configs(self, case):
         """The 2-GPU layer settings to time: the defaults, or the --head-chunks x
-        --sm-margins sweep for VSA."""
+        --sm-margins sweep for VSA; each with every --nccl-groups group."""
+        groups = [{"nccl": spec} for spec in self.nccl_groups] or [{}]
+        return [dict(layer, **g) for layer in self._layer_configs(case) for g in groups]
+
+    def _layer_configs(self, case):
         if case != "vsa":
             return [{}]
         # "2" -> 2 equal chunks; "2:8:8:2" -> chunks of those head counts.
         chunks = [int(c) if ":" not in c else tuple(int(n) for n in c.split(":"))
                   for c in self.args.head_chunks.split(",") if c] or [None]
         margins = [int(m) for m in self.args.sm_margins.split(",") if m] or [None]
-        return [{k: v for k, v in (("head_chunks", c), ("sm_margin", m)) if v is not None}
-                for c in chunks for m in margins]
+        transports = [t for t in self.args.transports.split(",") if t] or [None]
+        return [{k: v for k, v in (("head_chunks", c), ("sm_margin", m), ("transport", t))
+                 if v is not None}
+                for t in transports for c in chunks for m in margins]
 
     def inputs(self, case, sharded, requires_grad):
         rows = self.rows if sharded else slice(None)
@@ -257,6 +288,12 @@ class Bench:
         got = self.run_layer(self.layer(case, None), case, sharded=True)
         diffs = {name: (got[name].float() - ref[name][:, self.rows].float()).abs().max().item()
                  for name in got}
+        # Every --transports value gives the same result (the max over all is reported).
+        for config in (self.configs(case) if self.args.transports else []):
+            other = self.run_layer(self.layer(case, None, config), case, sharded=True)
+            for name in got:
+                diff = (other[name].float() - ref[name][:, self.rows].float()).abs().max().item()
+                diffs[name] = max(diffs[name], diff)
         layer = self.layer(case, None)
         xs, kwargs = self.inputs(case, True, False)
         explanation = torch._dynamo.explain(layer)(xs["q"], xs["k"], xs["v"], **kwargs)

@@ -7,8 +7,10 @@ docs/perf-notes.md). This separates what the transport can do (the collective al
 what it does next to attention (a bf16 matmul running on the compute stream meanwhile).
 Sizes are the bytes each rank sends to the other ranks per call (the [world, ...] send
 buffer minus its own slice), as DistributedAttention sends per tensor and head chunk.
-NCCL settings come from the environment (NCCL_* variables), so a sweep is one run per
-setting; the JSON records the NCCL version and the settings seen.
+NCCL settings come from the environment (NCCL_* variables: one run per setting) or from
+--groups, process groups made in this run with communicator options (``max_ctas=8``: NCCL
+kernels on at most 8 SMs; ``cta_policy=1``: NCCL's efficiency policy); the JSON records the
+NCCL version and the settings seen.
 Prints and writes: per size, median time (CUDA events) and GB/s sent per rank.
 """
 from __future__ import annotations
@@ -39,12 +41,28 @@ def timed(fn, iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
+def nccl_group(spec: str):
+    """None (the default group) or a new NCCL group with the options in spec."""
+    if spec == "default":
+        return None
+    opts = dist.ProcessGroupNCCL.Options()
+    for item in spec.split(","):
+        key, value = item.split("=")
+        setattr(opts.config, key, int(value))
+    return dist.new_group(backend="nccl", pg_options=opts)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--sizes-mb", default="24,97,194")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
     p.add_argument("--label", default="")
+    p.add_argument("--copy-engine", action="store_true",
+                   help="also time vidattn's copy-engine exchange (symmetric memory)")
+    p.add_argument("--groups", default="default",
+                   help="';'-separated process-group options to time, each 'default' or "
+                        "'key=value,...' over max_ctas, min_ctas, cta_policy")
     args = p.parse_args()
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -54,18 +72,40 @@ def main() -> None:
     # Compute beside the collective: a matmul of ~the sparse kernel's duration per call.
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     comm = torch.cuda.Stream()
-    for mb in (float(x) for x in args.sizes_mb.split(",")):
+    configs = [(spec, nccl_group(spec)) for spec in args.groups.split(";")]
+    if args.copy_engine:  # vidattn's copy-engine exchange on the world group
+        from vidattn._peer_exchange import peer_exchange
+        configs.append(("copy-engine", peer_exchange(dist.group.WORLD)))
+    for (spec, group), mb in ((c, float(x)) for c in configs for x in args.sizes_mb.split(",")):
         per_peer = int(mb * 2**20 / (world - 1)) // 2  # bf16 elements to each other rank
         send = torch.randn(world * per_peer, device=dev, dtype=torch.bfloat16)
         recv = torch.empty_like(send)
+        if spec == "copy-engine":
+            exchange = group
+            # Slice j of rank r holds r * world + j: check what arrives before timing.
+            marks = (rank * world + torch.arange(world, device=dev)).to(torch.bfloat16)
+            out, done = exchange.start("bench", (world, per_peer), torch.bfloat16, dev,
+                                       lambda buf: buf.copy_(marks[:, None].expand_as(buf)))
+            got = exchange.wait(out, done)[:, 0].float()
+            want = (torch.arange(world, device=dev) * world + rank).float()
+            if not torch.equal(got, want):
+                raise SystemExit(f"copy-engine exchange: rank {rank} got {got.tolist()}, "
+                                 f"want {want.tolist()}")
+
+            def transfer():
+                exchange.wait(*exchange.start("bench", (world, per_peer), torch.bfloat16, dev,
+                                              lambda buf: None))
+        else:
+            def transfer():
+                dist.all_to_all_single(recv, send, group=group)
 
         def alone():
-            dist.all_to_all_single(recv, send)
+            transfer()
 
         def beside():
             comm.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(comm):
-                dist.all_to_all_single(recv, send)
+                transfer()
             for _ in range(4):
                 a @ a
             torch.cuda.current_stream().wait_stream(comm)
@@ -78,12 +118,12 @@ def main() -> None:
         t_mm = timed(matmuls, args.iters)
         t_beside = timed(beside, args.iters)
         sent = (world - 1) * per_peer * 2
-        rows.append({"mb_sent_per_rank": sent / 2**20, "alone_ms": t_alone,
+        rows.append({"group": spec, "mb_sent_per_rank": sent / 2**20, "alone_ms": t_alone,
                      "alone_GBps": sent / t_alone / 1e6, "matmuls_ms": t_mm,
                      "beside_matmuls_ms": t_beside})
         if rank == 0:
             r = rows[-1]
-            print(f"[{args.label}] {r['mb_sent_per_rank']:.0f} MB/rank: alone {t_alone:.3f} ms "
+            print(f"[{args.label} {spec}] {r['mb_sent_per_rank']:.0f} MB/rank: alone {t_alone:.3f} ms "
                   f"({r['alone_GBps']:.0f} GB/s); 4 matmuls {t_mm:.3f} ms; both "
                   f"{t_beside:.3f} ms", flush=True)
     if rank == 0 and args.out:
