@@ -59,9 +59,6 @@ def parse_args(argv):
     p.add_argument("--sm-margins", default="",
                    help="VSA: comma list of DistributedAttention sm_margin values to time on "
                         "2 GPUs (default: the layer's default)")
-    p.add_argument("--transports", default="",
-                   help="VSA: comma list of DistributedAttention transports to time on 2 GPUs "
-                        "(nccl, copy_engine, auto; default: the layer's default)")
     p.add_argument("--nccl-groups", default="",
                    help="';'-separated NCCL communicator options for the 2-GPU layer's group, "
                         "each 'default' or 'key=value,...' over max_ctas, min_ctas, cta_policy "
@@ -155,10 +152,8 @@ class Bench:
         chunks = [int(c) if ":" not in c else tuple(int(n) for n in c.split(":"))
                   for c in self.args.head_chunks.split(",") if c] or [None]
         margins = [int(m) for m in self.args.sm_margins.split(",") if m] or [None]
-        transports = [t for t in self.args.transports.split(",") if t] or [None]
-        return [{k: v for k, v in (("head_chunks", c), ("sm_margin", m), ("transport", t))
-                 if v is not None}
-                for t in transports for c in chunks for m in margins]
+        return [{k: v for k, v in (("head_chunks", c), ("sm_margin", m)) if v is not None}
+                for c in chunks for m in margins]
 
     def inputs(self, case, sharded, requires_grad):
         rows = self.rows if sharded else slice(None)
@@ -288,12 +283,6 @@ class Bench:
         got = self.run_layer(self.layer(case, None), case, sharded=True)
         diffs = {name: (got[name].float() - ref[name][:, self.rows].float()).abs().max().item()
                  for name in got}
-        # Every --transports value gives the same result (the max over all is reported).
-        for config in (self.configs(case) if self.args.transports else []):
-            other = self.run_layer(self.layer(case, None, config), case, sharded=True)
-            for name in got:
-                diff = (other[name].float() - ref[name][:, self.rows].float()).abs().max().item()
-                diffs[name] = max(diffs[name], diff)
         layer = self.layer(case, None)
         xs, kwargs = self.inputs(case, True, False)
         explanation = torch._dynamo.explain(layer)(xs["q"], xs["k"], xs["v"], **kwargs)

@@ -58,8 +58,6 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
     p.add_argument("--label", default="")
-    p.add_argument("--copy-engine", action="store_true",
-                   help="also time vidattn's copy-engine exchange (symmetric memory)")
     p.add_argument("--groups", default="default",
                    help="';'-separated process-group options to time, each 'default' or "
                         "'key=value,...' over max_ctas, min_ctas, cta_policy")
@@ -73,31 +71,13 @@ def main() -> None:
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     comm = torch.cuda.Stream()
     configs = [(spec, nccl_group(spec)) for spec in args.groups.split(";")]
-    if args.copy_engine:  # vidattn's copy-engine exchange on the world group
-        from vidattn._peer_exchange import peer_exchange
-        configs.append(("copy-engine", peer_exchange(dist.group.WORLD)))
     for (spec, group), mb in ((c, float(x)) for c in configs for x in args.sizes_mb.split(",")):
         per_peer = int(mb * 2**20 / (world - 1)) // 2  # bf16 elements to each other rank
         send = torch.randn(world * per_peer, device=dev, dtype=torch.bfloat16)
         recv = torch.empty_like(send)
-        if spec == "copy-engine":
-            exchange = group
-            # Slice j of rank r holds r * world + j: check what arrives before timing.
-            marks = (rank * world + torch.arange(world, device=dev)).to(torch.bfloat16)
-            out, done = exchange.start("bench", (world, per_peer), torch.bfloat16, dev,
-                                       lambda buf: buf.copy_(marks[:, None].expand_as(buf)))
-            got = exchange.wait(out, done)[:, 0].float()
-            want = (torch.arange(world, device=dev) * world + rank).float()
-            if not torch.equal(got, want):
-                raise SystemExit(f"copy-engine exchange: rank {rank} got {got.tolist()}, "
-                                 f"want {want.tolist()}")
 
-            def transfer():
-                exchange.wait(*exchange.start("bench", (world, per_peer), torch.bfloat16, dev,
-                                              lambda buf: None))
-        else:
-            def transfer():
-                dist.all_to_all_single(recv, send, group=group)
+        def transfer():
+            dist.all_to_all_single(recv, send, group=group)
 
         def alone():
             transfer()

@@ -147,12 +147,8 @@ class DistributedAttention(torch.nn.Module):
                  interleaved_rope: bool = True, tiling=None, topk: Optional[int] = None,
                  sparsity: Optional[float] = None,
                  head_chunks: Union[int, Sequence[int], None] = None,
-                 sm_margin: Optional[int] = None, transport: str = "nccl"):
+                 sm_margin: Optional[int] = None):
         super().__init__()
-        if transport not in ("nccl", "copy_engine", "auto"):
-            raise ValueError(f"DistributedAttention: transport must be 'nccl', 'copy_engine' or "
-                             f"'auto', got {transport!r}")
-        self.transport = transport
         if head_chunks is not None:
             sizes = [head_chunks] if isinstance(head_chunks, int) else list(head_chunks)
             if not sizes or any(not isinstance(n, int) or n < 1 for n in sizes):
@@ -340,19 +336,6 @@ class DistributedAttention(torch.nn.Module):
                 return False
         return True
 
-    def _peer_exchange(self, group, x: torch.Tensor):
-        """The copy-engine exchange of `group` where this layer uses one, else None (NCCL)."""
-        if (self.transport == "nccl" or x.device.type != "cuda"
-                or torch.compiler.is_compiling()):
-            return None
-        from ._peer_exchange import peer_exchange
-        exchange = peer_exchange(group)
-        if exchange is None and self.transport == "copy_engine":
-            raise RuntimeError("DistributedAttention: transport='copy_engine' needs CUDA tensors "
-                               "on an NCCL group whose GPUs can map each other's memory (torch "
-                               "symmetric memory); it is not available here")
-        return exchange
-
     def _vsa_pipelined(self, sharded, world: int, group, seq_len: int, padded: int, cos, sin,
                        ranges) -> torch.Tensor:
         """The VSA path (world > 1) over the head chunks `ranges` of this rank's heads, with
@@ -411,27 +394,19 @@ class DistributedAttention(torch.nn.Module):
             lo, hi = min(rank * s_local, seq_len), min((rank + 1) * s_local, seq_len)
             tables = [F.pad(t[lo:hi], (0, 0, 0, s_local - (hi - lo))) for t in (cos, sin)]
 
-        exchange = self._peer_exchange(group, sharded[0])
-        if exchange is not None:  # copy engines: the exchange copies into its own buffer
-            from ._peer_exchange import exchange_start, exchange_wait
-            start = lambda x, key: exchange_start(exchange, key, x)  # noqa: E731
-            wait = exchange_wait
-        else:
-            start = lambda x, key: _all_to_all_start(x.contiguous(), world, group)  # noqa: E731
-            wait = torch.ops._c10d_functional.wait_tensor
-
         def send_buffer(x, c, rotate):
             # [world (destination), S_local, hc, D]
             view = _head_slice(x, world, h_local, *ranges[c])[0].permute(1, 0, 2, 3)
             if rotate and tables is not None:
                 return apply_rope(view, tables[0], tables[1], interleaved=self.interleaved_rope)
-            return view
+            return view.contiguous()
 
-        def issue(c):  # chunk c's send buffers, then its all-to-alls (off the compute stream)
-            return [start(send_buffer(x, c, i < 2), ("in", c, i)) for i, x in enumerate(sharded)]
+        def issue(c):  # chunk c's send buffers, then its all-to-alls (on NCCL's stream)
+            return [_all_to_all_start(send_buffer(x, c, i < 2), world, group)
+                    for i, x in enumerate(sharded)]
 
         def place(c):  # chunk c's heads of this rank's rows, back from every head group
-            back = wait(returning[c])
+            back = torch.ops._c10d_functional.wait_tensor(returning[c])
             result[:, :, ranges[c][0]:ranges[c][1]].copy_(back.permute(1, 0, 2, 3))
 
         # Chunks 0 and 1 are packed and sent up front; chunk c + 2 is packed after chunk c's
@@ -442,7 +417,7 @@ class DistributedAttention(torch.nn.Module):
         returning = []
         result = None
         for c in range(chunks):
-            ts = [wait(r) for r in pending.pop(c)]
+            ts = [torch.ops._c10d_functional.wait_tensor(r) for r in pending.pop(c)]
             ts = [t.reshape(1, world * s_local, t.shape[2], t.shape[3])[:, :seq_len] for t in ts]
             q, k, v = ts[:3]
             gate = ts[3] if len(ts) == 4 else None
@@ -450,7 +425,7 @@ class DistributedAttention(torch.nn.Module):
             if seq_len != padded:
                 out = F.pad(out, (0, 0, 0, 0, 0, padded - seq_len))
             hc, dv = out.shape[2], out.shape[3]
-            returning.append(start(out.view(world, s_local, hc, dv), ("out", c)))
+            returning.append(_all_to_all_start(out.view(world, s_local, hc, dv), world, group))
             if c + 2 < chunks:
                 pending[c + 2] = issue(c + 2)
             if result is None:

@@ -201,9 +201,8 @@ def _check_all(rank, world, group=None, device=None):
         _assert_matches(got, _reference(case, "dense"), rows, f"world {world} dense {label}")
 
 
-def _check_vsa(rank, world, group=None, device=None, transport="nccl"):
-    """device: run on it in bfloat16 with D = 64 (what the CUDA kernels take). transport:
-    the layer's (copy_engine: B = 1 cases move over the copy engines)."""
+def _check_vsa(rank, world, group=None, device=None):
+    """device: run on it in bfloat16 with D = 64 (what the CUDA kernels take)."""
     seed = 200 * world
     for label, grid, kwargs in _vsa_cases(world):
         seed += 1
@@ -215,8 +214,7 @@ def _check_vsa(rank, world, group=None, device=None, transport="nccl"):
         if device is not None:
             case = _to_device(case, device)
         tiling = vidattn.VideoTiling(grid=grid, tile=(4, 4, 4), device=device)
-        module = vidattn.DistributedAttention("vsa", group=group, tiling=tiling, topk=2,
-                                              transport=transport)
+        module = vidattn.DistributedAttention("vsa", group=group, tiling=tiling, topk=2)
         got, rows = _run_sharded(case, module, world, rank, group)
         _assert_matches(got, _reference(case, "vsa", tiling, 2), rows, f"world {world} {label}")
 
@@ -342,8 +340,6 @@ TASKS = {
     "vsa": _check_vsa,
     "parity_cuda": lambda rank, world: _check_all(rank, world, device=torch.device("cuda", rank)),
     "vsa_cuda": lambda rank, world: _check_vsa(rank, world, device=torch.device("cuda", rank)),
-    "vsa_cuda_copy_engine": lambda rank, world: _check_vsa(
-        rank, world, device=torch.device("cuda", rank), transport="copy_engine"),
     # The NCCL task's bf16 / D = 64 cases, here on the CPU over gloo.
     "vsa_bf16": lambda rank, world: _check_vsa(rank, world, device=torch.device("cpu")),
     "compile": _compile_check,
@@ -413,8 +409,7 @@ def four_processes():
 def two_gpus():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    return _spawn(2, ["parity_cuda"] + (["vsa_cuda", "vsa_cuda_copy_engine"] if HAVE_VSA else []),
-                  backend="nccl")
+    return _spawn(2, ["parity_cuda"] + (["vsa_cuda"] if HAVE_VSA else []), backend="nccl")
 
 
 def _assert_task(results, task):
@@ -466,13 +461,6 @@ def test_vsa_parity_two_gpus_nccl(two_gpus):
     _assert_task(two_gpus, "vsa_cuda")
 
 
-@pytest.mark.skipif(not HAVE_VSA, reason="this build has no vidattn.video_sparse_attention")
-def test_vsa_parity_two_gpus_copy_engine(two_gpus):
-    """The same with the all-to-alls on the copy engines (transport='copy_engine'), forward
-    and backward."""
-    _assert_task(two_gpus, "vsa_cuda_copy_engine")
-
-
 def test_parity_on_a_subgroup(four_processes):
     _assert_task(four_processes, "subgroup")
 
@@ -514,8 +502,6 @@ def test_bad_arguments():
         vidattn.DistributedAttention(topk=2)
     with pytest.raises(ValueError, match="sm_margin must be >= 0"):
         vidattn.DistributedAttention(sm_margin=-1)
-    with pytest.raises(ValueError, match="transport must be"):
-        vidattn.DistributedAttention(transport="mpi")
     for chunks in (0, (), (2, 0), (1.5,)):
         with pytest.raises(ValueError, match="head_chunks must be an int >= 1"):
             vidattn.DistributedAttention(head_chunks=chunks)
