@@ -422,6 +422,55 @@ __device__ int row_topk(const VsaTopkLaunch& p, int n) {
   return int(want < n ? want : n);
 }
 
+// Threads 0 .. kRowsMax - 1 record the key range of the CTA's query tiles t0 + r (an empty
+// range for rows past `rows` or the last tile). Read after the next __syncthreads.
+__device__ __forceinline__ void record_row_ranges(const VsaTopkLaunch& p, std::int64_t t0,
+                                                  int rows, int* row_k0, int* row_n) {
+  const int tid = threadIdx.x;
+  if (tid < kRowsMax) {
+    int k0 = 0, n = 0;
+    if (tid < rows && t0 + tid < p.q_tiles) video_range(p, t0 + tid, &k0, &n);
+    row_k0[tid] = k0;
+    row_n[tid] = n;
+  }
+}
+
+// The union [kmin, kmax) of the rows' key ranges (one range unless the CTA straddles videos).
+__device__ __forceinline__ void key_range_union(const int* row_k0, const int* row_n, int rows,
+                                                int* kmin, int* kmax) {
+  int lo = 0x7fffffff, hi = 0;
+  for (int r = 0; r < rows; ++r)
+    if (row_n[r] > 0) {
+      lo = min(lo, row_k0[r]);
+      hi = max(hi, row_k0[r] + row_n[r]);
+    }
+  *kmin = hi == 0 ? 0 : lo;
+  *kmax = hi;
+}
+
+// Each warp selects the top-k of rows warp, warp + kWarps, ... from their scores (row r's
+// key j at scores[r * k_cap + row_k0[r] - kmin + j]) and writes index and count.
+template <int kWarps, class Acc>
+__device__ __forceinline__ void select_rows(const VsaTopkLaunch& p, const Acc* scores,
+                                            std::int64_t k_cap, int kmin, const int* row_k0,
+                                            const int* row_n, std::int64_t t0, int rows,
+                                            int* hist) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const std::int64_t h = blockIdx.y, b = blockIdx.z;
+  for (int r = warp; r < rows; r += kWarps) {
+    const std::int64_t t = t0 + r;
+    if (t >= p.q_tiles) break;
+    const int n = row_n[r], want = row_topk(p, n);
+    const Acc* row = scores + std::int64_t(r) * k_cap + (row_k0[r] - kmin);
+    std::int32_t* out =
+        p.index + b * p.index_stride[0] + h * p.index_stride[1] + t * p.index_stride[2];
+    warp_select_row<Acc>([row](int j) { return row[j]; }, n, want, int(p.max_k), row_k0[r], out,
+                         p.index_stride[3], hist + warp * 256);
+    if (lane == 0)
+      p.count[b * p.count_stride[0] + h * p.count_stride[1] + t * p.count_stride[2]] = want;
+  }
+}
+
 // Stages k[kc .. kc + kKeyChunk) x [ds, ds + kDSlice) into ks (transposed, as Acc). With kVec,
 // each thread copies 16-byte runs of the head dim (the launcher checks alignment and that
 // D is a multiple of the run); the loads of a thread are independent and issued together.
@@ -489,21 +538,10 @@ __global__ void __launch_bounds__(kTopkThreads) vsa_select_topk_kernel(VsaTopkLa
   const auto* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[2];
   const auto* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[2];
 
-  if (tid < kRowsMax) {
-    int k0 = 0, n = 0;
-    if (tid < rows && t0 + tid < p.q_tiles) video_range(p, t0 + tid, &k0, &n);
-    row_k0[tid] = k0;
-    row_n[tid] = n;
-  }
+  record_row_ranges(p, t0, rows, row_k0, row_n);
   __syncthreads();
-  // The union of the rows' key ranges (one range unless the block straddles videos).
-  int kmin = 0x7fffffff, kmax = 0;
-  for (int r = 0; r < rows; ++r)
-    if (row_n[r] > 0) {
-      kmin = min(kmin, row_k0[r]);
-      kmax = max(kmax, row_k0[r] + row_n[r]);
-    }
-  if (kmax == 0) kmin = 0;
+  int kmin, kmax;
+  key_range_union(row_k0, row_n, rows, &kmin, &kmax);
 
   for (int kc = kmin; kc < kmax; kc += kKeyChunk) {
     Acc acc[kRowsPerWarp][8];
@@ -548,17 +586,7 @@ __global__ void __launch_bounds__(kTopkThreads) vsa_select_topk_kernel(VsaTopkLa
     }
   }
   __syncthreads();
-  for (int r = warp; r < rows; r += kTopkThreads / 32) {
-    const std::int64_t t = t0 + r;
-    if (t >= p.q_tiles) break;
-    const int n = row_n[r], want = row_topk(p, n);
-    const Acc* row = scores + std::int64_t(r) * k_cap + (row_k0[r] - kmin);
-    std::int32_t* out =
-        p.index + b * p.index_stride[0] + h * p.index_stride[1] + t * p.index_stride[2];
-    warp_select_row<Acc>([row](int j) { return row[j]; }, n, want, int(p.max_k), row_k0[r], out,
-                         p.index_stride[3], hist + warp * 256);
-    if (lane == 0) p.count[b * p.count_stride[0] + h * p.count_stride[1] + t * p.count_stride[2]] = want;
-  }
+  select_rows<kTopkThreads / 32>(p, scores, k_cap, kmin, row_k0, row_n, t0, rows, hist);
 }
 
 // Tensor-core scores for bf16 / fp16 with head dim kD (a multiple of 32): one CTA of 8 warps
@@ -614,12 +642,7 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
   const auto* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[2];
   const auto* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[2];
 
-  if (tid < kRowsMax) {
-    int k0 = 0, n = 0;
-    if (tid < rows && t0 + tid < p.q_tiles) video_range(p, t0 + tid, &k0, &n);
-    row_k0[tid] = k0;
-    row_n[tid] = n;
-  }
+  record_row_ranges(p, t0, rows, row_k0, row_n);
   // A operand (every warp holds all 16 rows), loaded while the ranges are being found.
   std::uint32_t a[2 * kSlices][4];
   {
@@ -644,14 +667,8 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
     }
   }
   __syncthreads();
-  // The union of the rows' key ranges (one range unless the block straddles videos).
-  int kmin = 0x7fffffff, kmax = 0;
-  for (int r = 0; r < rows; ++r)
-    if (row_n[r] > 0) {
-      kmin = min(kmin, row_k0[r]);
-      kmax = max(kmax, row_k0[r] + row_n[r]);
-    }
-  if (kmax == 0) kmin = 0;
+  int kmin, kmax;
+  key_range_union(row_k0, row_n, rows, &kmin, &kmax);
 
   const float scale = float(p.scale);
   const bool row_lo = g < rows, row_hi = g + 8 < rows;
@@ -706,18 +723,7 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
     }
   }
   __syncthreads();
-  for (int r = warp; r < rows; r += kMmaWarps) {
-    const std::int64_t t = t0 + r;
-    if (t >= p.q_tiles) break;
-    const int n = row_n[r], want = row_topk(p, n);
-    const float* row = scores + std::int64_t(r) * k_cap + (row_k0[r] - kmin);
-    std::int32_t* out =
-        p.index + b * p.index_stride[0] + h * p.index_stride[1] + t * p.index_stride[2];
-    warp_select_row<float>([row](int j) { return row[j]; }, n, want, int(p.max_k), row_k0[r], out,
-                           p.index_stride[3], hist + warp * 256);
-    if (lane == 0)
-      p.count[b * p.count_stride[0] + h * p.count_stride[1] + t * p.count_stride[2]] = want;
-  }
+  select_rows<kMmaWarps>(p, scores, k_cap, kmin, row_k0, row_n, t0, rows, hist);
 }
 
 // One warp per row of given scores, read straight from global memory (L1/L2 serve the passes).

@@ -35,7 +35,7 @@ using cuda_sm80::AttentionParams;
 using cuda_sm80::RowStrides;
 using cuda_sm80::check_cuda;
 using cuda_sm80::DeviceScope;
-using cuda_sm80::lse_strides;
+using cuda_sm80::layout_params;
 using cuda_sm80::rows_aligned;
 using cuda_sm80::token_strides;
 
@@ -56,16 +56,8 @@ void check_supported(const char* fn, const AttentionProblem& p) {
 AttentionParams base_params(const AttentionProblem& p, const TensorView& q, const TensorView& k,
                             const TensorView& v, const TensorView& out, const TensorView& lse,
                             const AttentionOptions& o) {
-  AttentionParams kp;
-  kp.q = q.data, kp.k = k.data, kp.v = v.data;
-  kp.out = out.data;
-  kp.lse = static_cast<float*>(lse.data);
-  kp.q_strides = token_strides(q, p.varlen);
-  kp.k_strides = token_strides(k, p.varlen);
-  kp.v_strides = token_strides(v, p.varlen);
-  kp.out_strides = token_strides(out, p.varlen);
-  kp.lse_strides = lse_strides(lse, p.varlen);
-  kp.varlen = p.varlen;
+  AttentionParams kp = layout_params(q, k, v, out, lse, p.batch, p.heads_q, p.heads_kv,
+                                     p.seqlen_q, p.seqlen_k, p.scale, p.varlen);
   if (p.varlen) {
     kp.cu_seqlens_q = static_cast<const std::int32_t*>(o.cu_seqlens_q->data);
     kp.cu_seqlens_k = static_cast<const std::int32_t*>(o.cu_seqlens_k->data);
@@ -82,17 +74,7 @@ AttentionParams base_params(const AttentionProblem& p, const TensorView& q, cons
     kp.query_mask_batch = o.query_padding_mask->stride[0];
     kp.query_mask_row = o.query_padding_mask->stride[1];
   }
-  kp.batch = static_cast<int>(p.batch);
-  kp.heads_q = static_cast<int>(p.heads_q);
-  kp.heads_kv = static_cast<int>(p.heads_kv);
-  kp.group = static_cast<int>(p.heads_q / p.heads_kv);
-  kp.seqlen_q = p.seqlen_q;
-  kp.seqlen_k = p.seqlen_k;
-  kp.rows_q = p.varlen ? q.shape[0] : p.batch * p.seqlen_q;
-  kp.rows_k = p.varlen ? k.shape[0] : p.batch * p.seqlen_k;
-  kp.scale = static_cast<float>(p.scale);
   kp.causal = p.causal;
-  kp.aligned16 = rows_aligned(q, 16) && rows_aligned(k, 16) && rows_aligned(v, 16);
   return kp;
 }
 

@@ -324,25 +324,8 @@ AttentionParams sparse_params(const BlockSparseProblem& p, const TensorView& q,
                               const TensorView& k, const TensorView& v, const TensorView& q2k_index,
                               const TensorView& q2k_count, const TensorView& out,
                               const TensorView& lse, const BlockSparseOptions& o) {
-  AttentionParams kp;
-  kp.q = q.data, kp.k = k.data, kp.v = v.data;
-  kp.out = out.data;
-  kp.lse = static_cast<float*>(lse.data);
-  kp.q_strides = token_strides(q, false);
-  kp.k_strides = token_strides(k, false);
-  kp.v_strides = token_strides(v, false);
-  kp.out_strides = token_strides(out, false);
-  kp.lse_strides = lse_strides(lse, false);
-  kp.batch = static_cast<int>(p.batch);
-  kp.heads_q = static_cast<int>(p.heads_q);
-  kp.heads_kv = static_cast<int>(p.heads_kv);
-  kp.group = static_cast<int>(p.heads_q / p.heads_kv);
-  kp.seqlen_q = p.seqlen_q;
-  kp.seqlen_k = p.seqlen_k;
-  kp.rows_q = p.batch * p.seqlen_q;
-  kp.rows_k = p.batch * p.seqlen_k;
-  kp.scale = static_cast<float>(p.scale);
-  kp.aligned16 = rows_aligned(q, 16) && rows_aligned(k, 16) && rows_aligned(v, 16);
+  AttentionParams kp = layout_params(q, k, v, out, lse, p.batch, p.heads_q, p.heads_kv,
+                                     p.seqlen_q, p.seqlen_k, p.scale, false);
   kp.q2k_index = static_cast<const std::int32_t*>(q2k_index.data);
   kp.q2k_count = static_cast<const std::int32_t*>(q2k_count.data);
   for (int d = 0; d < 4; ++d) kp.q2k_index_strides[d] = q2k_index.stride[d];

@@ -9,6 +9,7 @@
 
 #include "../../core/backends.h"
 #include "../../core/check.h"
+#include "../sm80/host_common.h"
 #include "sm90_dispatch.h"
 #include "sm90_fwd_launch.h"
 
@@ -91,22 +92,9 @@ bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
     if (!cuda_sm90::tma_compatible(*t)) return false;
   if (!(scale > 0.0)) return false;
 
-  cuda_sm80::AttentionParams kp;
-  kp.q = q.data, kp.k = k.data, kp.v = v.data, kp.out = out.data;
-  kp.lse = static_cast<float*>(lse.data);
-  kp.q_strides = {q.stride[0], q.stride[1], q.stride[2]};
-  kp.k_strides = {k.stride[0], k.stride[1], k.stride[2]};
-  kp.v_strides = {v.stride[0], v.stride[1], v.stride[2]};
-  kp.out_strides = {out.stride[0], out.stride[1], out.stride[2]};
-  kp.lse_strides = {lse.stride[0], lse.stride[2], lse.stride[1]};
-  kp.batch = static_cast<int>(B);
-  kp.heads_q = static_cast<int>(Hq);
-  kp.heads_kv = static_cast<int>(Hkv);
-  kp.group = static_cast<int>(Hq / Hkv);
-  kp.seqlen_q = Sq, kp.seqlen_k = Sk;
-  kp.rows_q = B * Sq, kp.rows_k = B * Sk;
-  kp.scale = static_cast<float>(scale);
-  kp.aligned16 = true;
+  // TMA-compatible (checked above): every row starts on 16 bytes.
+  cuda_sm80::AttentionParams kp =
+      cuda_sm80::layout_params(q, k, v, out, lse, B, Hq, Hkv, Sq, Sk, scale, false);
   kp.out_aligned4 = true;
   kp.sm_margin = sm_margin;
 
