@@ -29,10 +29,10 @@ using CutlassElement =
 // D = 128 spilled 300 bytes.)
 template <class T, int D>
 using DenseTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2>;
-// D = 64 with 192-key blocks: the products are half as long as at D = 128 for the same
-// softmax work, so longer blocks should amortise the per-block waits, row reductions and
-// rescales. Passes every test but spills 40 bytes and is not yet timed, so it is opt-in:
-// VIDATTN_SM90_HD64_BLOCKN=192 (read once); the default is DenseTraits.
+// Dense D = 64: 192-key blocks. The products are half as long as at D = 128 for the same
+// softmax work, so longer blocks amortise the per-block waits, row reductions and rescales
+// (H200: 399 -> 414 TFLOP/s at 2x16384x32, docs/perf-notes.md). VIDATTN_SM90_HD64_BLOCKN=128
+// (read once) selects DenseTraits' 128-key blocks instead, for A/B runs.
 template <class T>
 using Dense64LongTraits = FwdTraits<CutlassElement<T>, 64, 192, 2, 1, 2, 2>;
 // Block-sparse with 128 / 256-token tiles: 128-key blocks (a 256 tile is two).
@@ -85,7 +85,7 @@ inline float rescale_slack() {
 inline bool hd64_long_blocks() {
   static const bool on = [] {
     const char* v = std::getenv("VIDATTN_SM90_HD64_BLOCKN");
-    return v != nullptr && std::string_view(v) == "192";
+    return v == nullptr || std::string_view(v) != "128";
   }();
   return on;
 }
