@@ -355,71 +355,6 @@ std::tuple<Tensor, Tensor> block_sparse_attention_meta(
                        q.options().dtype(lse_scalar_type(q))));
 }
 
-// Inference: the block-sparse forward with VSA's combination folded in (the Hopper kernel's
-// epilogue; vsa_combine after it elsewhere), out = attention + gate * coarse[tile]. No LSE,
-// no backward: training calls block_sparse_attention and vsa_combine (python/vidattn/vsa.py).
-Tensor vsa_fine_combined_kernel(const Tensor& q, const Tensor& k, const Tensor& v,
-                                const Tensor& q2k_index, const Tensor& q2k_count,
-                                const Tensor& coarse, const OptTensor& gate, int64_t tile_volume,
-                                const Tensor& q_block_sizes, const OptTensor& kv_block_sizes,
-                                std::optional<double> scale, bool validate_index,
-                                int64_t sm_margin) {
-  constexpr const char* fn = "vidattn.vsa_fine_combined";
-  const at::OptionalDeviceGuard device_guard(at::device_of(q));
-  require_int32(q2k_index, fn, "q2k_index");
-  require_int32(q2k_count, fn, "q2k_count");
-  require_int32(q_block_sizes, fn, "q_block_sizes");
-  require_int32(kv_block_sizes, fn, "kv_block_sizes");
-  return translate_errors([&] {
-    const SparseArgs a{tile_volume, q_block_sizes, kv_block_sizes, scale, true, validate_index,
-                       sm_margin};
-    const TensorView qv = view_of(q, fn, "q"), kv = view_of(k, fn, "k"), vv = view_of(v, fn, "v");
-    const TensorView iv = view_of(q2k_index, fn, "q2k_index"), cv = view_of(q2k_count, fn, "q2k_count");
-    BlockSparseOptions o = options_of(a, fn, q);
-    o.combine_coarse = view_of(coarse, fn, "coarse");
-    o.combine_gate = view_of(gate, fn, "gate");
-    const BlockSparseProblem p = describe_block_sparse_attention(qv, kv, vv, iv, cv, o);
-    Tensor out = at::empty({p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, q.options());
-    Tensor lse = at::empty({p.batch, p.heads_q, p.seqlen_q}, q.options().dtype(lse_scalar_type(q)));
-    block_sparse_attention_forward(qv, kv, vv, iv, cv, view_of(out, fn, "out"),
-                                   view_of(lse, fn, "lse"), o);
-    return out;
-  });
-}
-
-Tensor vsa_fine_combined_meta(const Tensor& q, const Tensor& k, const Tensor& v,
-                              const Tensor& q2k_index, const Tensor& q2k_count,
-                              const Tensor& coarse, const OptTensor& gate, int64_t tile_volume,
-                              const Tensor& q_block_sizes, const OptTensor& kv_block_sizes,
-                              std::optional<double> scale, bool validate_index,
-                              int64_t sm_margin) {
-  const auto outs = block_sparse_attention_meta(q, k, v, q2k_index, q2k_count, tile_volume,
-                                                q_block_sizes, kv_block_sizes, scale, true,
-                                                validate_index, sm_margin);
-  return std::get<0>(outs);
-}
-
-Tensor vsa_fine_combined_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
-                                  const Tensor& q2k_index, const Tensor& q2k_count,
-                                  const Tensor& coarse, const OptTensor& gate,
-                                  int64_t tile_volume, const Tensor& q_block_sizes,
-                                  const OptTensor& kv_block_sizes, std::optional<double> scale,
-                                  bool validate_index, int64_t sm_margin) {
-  const bool wants_grad =
-      at::GradMode::is_enabled() && (q.requires_grad() || k.requires_grad() ||
-                                     v.requires_grad() || coarse.requires_grad() ||
-                                     (gate && gate->requires_grad()));
-  TORCH_CHECK_VALUE(!wants_grad,
-                    "vidattn.vsa_fine_combined: inference only (no backward); with gradients, "
-                    "use block_sparse_attention and vsa_combine (video_sparse_attention does)");
-  at::AutoDispatchBelowADInplaceOrView guard;
-  static const auto op = c10::Dispatcher::singleton()
-                             .findSchemaOrThrow("vidattn::vsa_fine_combined", "")
-                             .typed<decltype(vsa_fine_combined_kernel)>();
-  return op.call(q, k, v, q2k_index, q2k_count, coarse, gate, tile_volume, q_block_sizes,
-                 kv_block_sizes, scale, validate_index, sm_margin);
-}
-
 std::tuple<Tensor, Tensor> transpose_index_kernel(const Tensor& q2k_index, const Tensor& q2k_count,
                                                   int64_t num_kv_tiles, bool validate_index) {
   constexpr const char* fn = "vidattn.block_sparse_transpose_index";
@@ -575,12 +510,6 @@ TORCH_LIBRARY_FRAGMENT(vidattn, m) {
       "(Tensor out, Tensor lse)",
       tags);
   m.def(
-      "vsa_fine_combined(Tensor q, Tensor k, Tensor v, Tensor q2k_index, Tensor q2k_count, "
-      "Tensor coarse, Tensor? gate, *, int tile_volume, Tensor q_block_sizes, "
-      "Tensor? kv_block_sizes=None, float? scale=None, bool validate_index=True, "
-      "int sm_margin=0) -> Tensor",
-      tags);
-  m.def(
       "block_sparse_transpose_index(Tensor q2k_index, Tensor q2k_count, int num_kv_tiles, *, "
       "bool validate_index=True) -> "
       "(Tensor k2q_offsets, Tensor k2q_index)",
@@ -608,7 +537,6 @@ static void impl_device_kernels(torch::Library& m) {
   m.impl("topk_tiles", &topk_tiles_kernel);
   m.impl("topk_tiles_from_scores", &topk_tiles_from_scores_kernel);
   m.impl("block_sparse_attention", &block_sparse_attention_kernel);
-  m.impl("vsa_fine_combined", &vsa_fine_combined_kernel);
   m.impl("block_sparse_transpose_index", &transpose_index_kernel);
   m.impl("block_sparse_attention_backward", &block_sparse_backward_kernel);
 }
@@ -625,7 +553,6 @@ TORCH_LIBRARY_IMPL(vidattn, Meta, m) {
   m.impl("topk_tiles", &topk_tiles_meta);
   m.impl("topk_tiles_from_scores", &topk_tiles_from_scores_meta);
   m.impl("block_sparse_attention", &block_sparse_attention_meta);
-  m.impl("vsa_fine_combined", &vsa_fine_combined_meta);
   m.impl("block_sparse_transpose_index", &transpose_index_meta);
   m.impl("block_sparse_attention_backward", &block_sparse_backward_meta);
 }
@@ -634,7 +561,6 @@ TORCH_LIBRARY_IMPL(vidattn, Autograd, m) {
   m.impl("gather_tokens", &gather_tokens_autograd);
   m.impl("tile_mean_pool", &tile_mean_pool_autograd);
   m.impl("block_sparse_attention", &block_sparse_attention_autograd);
-  m.impl("vsa_fine_combined", &vsa_fine_combined_autograd);
 }
 
 }  // namespace vidattn::torch_ops

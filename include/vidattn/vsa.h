@@ -174,15 +174,6 @@ struct BlockSparseOptions {
   // fewer than one); 0 (default) launches one CTA per tile, which the hardware places as SMs
   // free up. Ignored by the other backends.
   int sm_margin = 0;
-  // Inference: VSA's combination folded into the output, out = attention + gate * coarse of
-  // the slot's tile on valid query slots (vsa_combine's formula: one rounding of the float
-  // sum), 0 on padded ones; the LSE stays the attention's. combine_coarse [B, Qtiles, Hq, Dv],
-  // combine_gate [B, Sq, Hq, Dv] (optional: 1), q's dtype and device, unit last stride; needs
-  // q_block_sizes. The Hopper kernel applies it in its epilogue; elsewhere vsa_combine runs
-  // after the attention. No backward exists for it: training keeps the fine output and
-  // combines separately.
-  std::optional<TensorView> combine_coarse;
-  std::optional<TensorView> combine_gate;
   int num_threads = 0;
   void* stream = nullptr;  // cudaStream_t for CUDA tensors (null: the legacy default stream)
 };

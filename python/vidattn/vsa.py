@@ -276,18 +276,13 @@ def video_sparse_attention(
     q2k_index, q2k_count = _ops.topk_tiles(
         q_c.detach(), k_c.detach(), topk, sparsity=None if sparsity is None else float(sparsity),
         scale=scale, cu_tiles_q=cu_q, cu_tiles_k=cu_k)
-    sparse = dict(tile_volume=volume, q_block_sizes=tiling.block_sizes,
-                  kv_block_sizes=kv_tiling.block_sizes, scale=scale,
-                  validate_index=False,  # built by topk_tiles just above: valid by construction
-                  sm_margin=int(sm_margin))
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, gate)):
-        o_s, _ = _ops.block_sparse_attention(q, k, v, q2k_index, q2k_count, **sparse)
-        # out = o_s + gate * (o_c on each tile's valid slots), in one pass.
-        out = _ops.vsa_combine(o_s, o_c, gate, tiling.block_sizes, volume)
-    else:
-        # Inference: the same sum, applied as the fine branch writes its output (on Hopper
-        # in the kernel's epilogue; elsewhere one vsa_combine pass in place).
-        out = _ops.vsa_fine_combined(q, k, v, q2k_index, q2k_count, o_c, gate, **sparse)
+    o_s, _ = _ops.block_sparse_attention(
+        q, k, v, q2k_index, q2k_count, tile_volume=volume, q_block_sizes=tiling.block_sizes,
+        kv_block_sizes=kv_tiling.block_sizes, scale=scale,
+        validate_index=False,  # built by topk_tiles just above: valid by construction
+        sm_margin=int(sm_margin))
+    # out = o_s + gate * (o_c on each tile's valid slots), in one pass.
+    out = _ops.vsa_combine(o_s, o_c, gate, tiling.block_sizes, volume)
     return (out, (q2k_index, q2k_count)) if return_selection else out
 
 

@@ -1,6 +1,5 @@
 // Validation and backend dispatch for the VSA entry points (vidattn/vsa.h).
 #include "vidattn/vsa.h"
-#include "vidattn/vsa_combine.h"
 
 #include <algorithm>
 #include <cmath>
@@ -490,32 +489,14 @@ void block_sparse_attention_forward(const TensorView& q, const TensorView& k, co
   const BlockSparseProblem p = describe_sparse(kFn, q, k, v, q2k_index, q2k_count, options);
   check_sparse_data(check, q, k, v, q2k_index, q2k_count, options);
   check_sparse_outputs(check, p, out, lse);
-  const auto& coarse = options.combine_coarse;
-  if (options.combine_gate && !coarse)
-    check.fail("combine_gate needs combine_coarse");
-  if (coarse) {
-    if (!options.q_block_sizes) check.fail("combine_coarse needs q_block_sizes");
-    check_like(check, *coarse, "combine_coarse", {p.batch, p.q_tiles, p.heads_q, p.head_dim_v},
-               p.dtype, p.device);
-    if (options.combine_gate)
-      check_like(check, *options.combine_gate, "combine_gate",
-                 {p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, p.dtype, p.device);
-  }
-  bool combined = false;
   if (p.device.kind != DeviceKind::kCPU) {
 #ifdef VIDATTN_WITH_CUDA
-    combined =
-        detail::cuda_block_sparse_forward(p, q, k, v, q2k_index, q2k_count, out, lse, options);
+    return detail::cuda_block_sparse_forward(p, q, k, v, q2k_index, q2k_count, out, lse, options);
 #else
     no_cuda(kFn);
 #endif
-  } else {
-    detail::cpu_block_sparse_forward(p, q, k, v, q2k_index, q2k_count, out, lse, options);
   }
-  // Backends that do not fold the combination in: one pass over the output, in place.
-  if (coarse && !combined)
-    vsa_combine(out, *coarse, options.combine_gate, *options.q_block_sizes, p.tile_volume, out,
-                options.num_threads, options.stream);
+  detail::cpu_block_sparse_forward(p, q, k, v, q2k_index, q2k_count, out, lse, options);
 }
 
 void block_sparse_transpose_index(const TensorView& q2k_index, const TensorView& q2k_count,

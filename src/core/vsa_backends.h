@@ -42,9 +42,8 @@ void cpu_block_sparse_backward(const BlockSparseProblem& p, const TensorView& q,
 // CUDA (sm_80 and newer; src/cuda/sm80/block_sparse_sm80.cu): bfloat16 / float16, D = Dv in
 // {64, 128}; anything else throws NotImplementedError. Asynchronous on the given stream,
 // except the index check of the forward and of the transpose (vsa.h), which is skipped while
-// the stream is being captured or when validate_index is false. The forward returns whether
-// it applied options.combine_* (the Hopper epilogue does; otherwise the caller combines).
-bool cuda_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
+// the stream is being captured or when validate_index is false.
+void cuda_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
                                const TensorView& k, const TensorView& v,
                                const TensorView& q2k_index, const TensorView& q2k_count,
                                const TensorView& out, const TensorView& lse,

@@ -111,57 +111,6 @@ TEST(VsaBlockSparse, WritesEveryOutputAndDocumentedEmptyValues) {
   }
 }
 
-// BlockSparseOptions::combine_*: the output is the attention plus gate * coarse[tile] on
-// valid query slots (vsa_combine's formula), 0 on padded ones; the LSE is the attention's.
-TEST(VsaBlockSparse, CombineOptionAddsGatedCoarseOnValidSlots) {
-  const std::int64_t V = 64, Qt = 2, Kt = 2, H = 1, D = 8, Sq = Qt * V, Sk = Kt * V;
-  auto q = random_vector(Sq * H * D, 11), k = random_vector(Sk * H * D, 12),
-       v = random_vector(Sk * H * D, 13), gate = random_vector(Sq * H * D, 14),
-       coarse = random_vector(Qt * H * D, 15);
-  std::vector<std::int32_t> index = {0, 1, 1, -1}, count = {2, 1}, q_sizes = {64, 20};
-  vidattn::BlockSparseOptions o;
-  o.tile_volume = V;
-  o.q_block_sizes = make_view(q_sizes.data(), DType::kInt32, {Qt});
-  const auto qv = make_view(q.data(), DType::kFloat64, {1, Sq, H, D});
-  const auto kv = make_view(k.data(), DType::kFloat64, {1, Sk, H, D});
-  const auto vv = make_view(v.data(), DType::kFloat64, {1, Sk, H, D});
-  const auto iv = make_view(index.data(), DType::kInt32, {1, H, Qt, 2});
-  const auto cv = make_view(count.data(), DType::kInt32, {1, H, Qt});
-  std::vector<double> plain(Sq * H * D, kNaN), plain_lse(H * Sq, kNaN);
-  vidattn::block_sparse_attention_forward(
-      qv, kv, vv, iv, cv, make_view(plain.data(), DType::kFloat64, {1, Sq, H, D}),
-      make_view(plain_lse.data(), DType::kFloat64, {1, H, Sq}), o);
-  o.combine_coarse = make_view(coarse.data(), DType::kFloat64, {1, Qt, H, D});
-  o.combine_gate = make_view(gate.data(), DType::kFloat64, {1, Sq, H, D});
-  std::vector<double> out(Sq * H * D, kNaN), lse(H * Sq, kNaN);
-  vidattn::block_sparse_attention_forward(qv, kv, vv, iv, cv,
-                                          make_view(out.data(), DType::kFloat64, {1, Sq, H, D}),
-                                          make_view(lse.data(), DType::kFloat64, {1, H, Sq}), o);
-  EXPECT_EQ(lse, plain_lse);
-  for (std::int64_t s = 0; s < Sq; ++s) {
-    const std::int64_t tile = s / V;
-    const bool valid = s % V < q_sizes[tile];
-    for (std::int64_t d = 0; d < D; ++d) {
-      const std::int64_t e = s * D + d;
-      const double want = valid ? plain[e] + gate[e] * coarse[tile * D + d] : 0.0;
-      EXPECT_DOUBLE_EQ(out[e], want) << s << " " << d;
-    }
-  }
-  // A gate without coarse, and coarse without q_block_sizes, are refused by name.
-  vidattn::BlockSparseOptions bad = o;
-  bad.combine_coarse.reset();
-  EXPECT_THROW(vidattn::block_sparse_attention_forward(
-                   qv, kv, vv, iv, cv, make_view(out.data(), DType::kFloat64, {1, Sq, H, D}),
-                   make_view(lse.data(), DType::kFloat64, {1, H, Sq}), bad),
-               vidattn::ValueError);
-  bad = o;
-  bad.q_block_sizes.reset();
-  EXPECT_THROW(vidattn::block_sparse_attention_forward(
-                   qv, kv, vv, iv, cv, make_view(out.data(), DType::kFloat64, {1, Sq, H, D}),
-                   make_view(lse.data(), DType::kFloat64, {1, H, Sq}), bad),
-               vidattn::ValueError);
-}
-
 TEST(VsaBlockSparse, BadInputsThrow) {
   const std::int64_t V = 64;
   std::vector<float> q(2 * V * 1 * 8, 1.0f), out(q.size()), lse(2 * V);

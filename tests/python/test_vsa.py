@@ -463,30 +463,12 @@ def test_vsa_deterministic_backward_50_runs():
 
 
 def test_vsa_inference_forward_equals_training_forward():
-    """Without gradients VSA runs vsa_fine_combined (the combination folded into the fine
-    branch); on the CPU that is the same two steps, so the result is the same bits."""
     t = vidattn.VideoTiling((5, 7, 9), (4, 4, 4))
-    q, k, v, g = (randn((1, t.padded_len, 2, 64), s, torch.bfloat16) for s in (64, 65, 66, 67))
-    for gate in (None, g):
-        with torch.no_grad():
-            a = vidattn.video_sparse_attention(q, k, v, tiling=t, topk=2, gate=gate)
-        b = vidattn.video_sparse_attention(q.clone().requires_grad_(), k, v, tiling=t, topk=2,
-                                           gate=gate)
-        assert torch.equal(a, b)
-
-
-def test_vsa_fine_combined_bad_inputs():
-    t = vidattn.VideoTiling((4, 4, 4), (4, 4, 4))
-    x = randn((1, 64, 1, 32), 68, torch.float32)
-    idx, cnt = torch.zeros(1, 1, 1, 1, dtype=torch.int32), torch.ones(1, 1, 1, dtype=torch.int32)
-    coarse = torch.zeros(1, 1, 1, 32)
-    kw = dict(tile_volume=64, q_block_sizes=t.block_sizes)
-    with pytest.raises(ValueError, match="combine_coarse"):
-        ops.vsa_fine_combined(x, x, x, idx, cnt, coarse[..., :16], None, **kw)
-    with pytest.raises(ValueError, match="combine_gate"):
-        ops.vsa_fine_combined(x, x, x, idx, cnt, coarse, x[:, :32], **kw)
-    with pytest.raises(ValueError, match="inference only"):
-        ops.vsa_fine_combined(x.requires_grad_(), x, x, idx, cnt, coarse, None, **kw)
+    q, k, v = (randn((1, t.padded_len, 2, 64), s, torch.bfloat16) for s in (64, 65, 66))
+    with torch.no_grad():
+        a = vidattn.video_sparse_attention(q, k, v, tiling=t, topk=2)
+    b = vidattn.video_sparse_attention(q.requires_grad_(), k, v, tiling=t, topk=2)
+    assert torch.equal(a, b)
 
 
 # ---------------------------------------------------------------------------------------
@@ -573,10 +555,6 @@ def test_opcheck_every_vsa_op():
         opcheck(ops.block_sparse_attention, (q, k, v, idx, cnt), kw)
         off, k2q = ops.block_sparse_transpose_index(idx, cnt, t.num_tiles)
         opcheck(ops.block_sparse_transpose_index, (idx, cnt, t.num_tiles))
-        if not rg:  # inference only
-            coarse = randn((2, t.num_tiles, 2, 32), 117, torch.float32)
-            gate = randn((2, t.padded_len, 2, 32), 118, torch.float32)
-            opcheck(ops.vsa_fine_combined, (q, k, v, idx, cnt, coarse, gate), kw)
         out, lse = ops.block_sparse_attention(q.detach(), k.detach(), v.detach(), idx, cnt, **kw)
         opcheck(ops.block_sparse_attention_backward,
                 (randn(out.shape, 116, torch.float32), q, k, v, out, lse, idx, cnt, off, k2q),

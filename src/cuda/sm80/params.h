@@ -78,12 +78,6 @@ struct AttentionParams {
   std::int64_t k2q_index_strides[3] = {0, 0, 0};
   std::int64_t q_block_sizes_stride = 1, kv_block_sizes_stride = 1;
   int tile_volume = 64;    // 64, 128 or 256: 1, 2 or 4 blocks of 64 keys / queries
-  // Inference epilogue of the sm_90a block-sparse forward (BlockSparseOptions::combine_*):
-  // out = attention + gate * coarse[tile] on valid query slots. coarse [B, Qtiles, Hq, Dv]
-  // (RowStrides: batch, tile, head), gate [B, Sq, Hq, Dv] or null (1); 4-byte aligned rows.
-  const void* combine_coarse = nullptr;
-  const void* combine_gate = nullptr;
-  RowStrides coarse_strides, gate_strides;
   int tile_shift = 0;      // log2(tile_volume / 64)
   int q_tiles = 0, kv_tiles = 0, max_k = 0;
 };

@@ -44,8 +44,7 @@ bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
                                     const TensorView& lse, const TensorView& q2k_index,
                                     const TensorView& q2k_count,
                                     const TensorView* kv_block_sizes, int tile_volume,
-                                    double scale, int sm_margin, void* stream,
-                                    const Sm90SparseEpilogue& epilogue) {
+                                    double scale, int sm_margin, void* stream) {
   constexpr const char* fn = "vidattn._block_sparse_forward_sm90";
   if (q.ndim != 4 || k.ndim != 4 || v.ndim != 4)
     throw_value_error(fn, ": q, k, v must be 4-D [B, S, H, D], got ", shape_string(q), ", ",
@@ -86,51 +85,17 @@ bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
     throw_value_error(fn, ": argument 'q2k_index' must be contiguous in its last dimension");
   if (kv_block_sizes && kv_tiles > 1 && kv_block_sizes->stride[0] != 1)
     throw_value_error(fn, ": argument 'kv_block_sizes' must be contiguous");
-  if (epilogue.q_block_sizes) {
-    expect_dtype(fn, *epilogue.q_block_sizes, "q_block_sizes", DType::kInt32);
-    expect_shape(fn, *epilogue.q_block_sizes, "q_block_sizes", {q_tiles});
-  }
-  if (epilogue.combine_coarse) {
-    if (!epilogue.q_block_sizes)
-      throw_value_error(fn, ": argument 'combine_coarse' needs 'q_block_sizes'");
-    expect_dtype(fn, *epilogue.combine_coarse, "combine_coarse", q.dtype);
-    expect_shape(fn, *epilogue.combine_coarse, "combine_coarse", {B, q_tiles, Hq, D});
-  }
-  if (epilogue.combine_gate) {
-    if (!epilogue.combine_coarse)
-      throw_value_error(fn, ": argument 'combine_gate' needs 'combine_coarse'");
-    expect_dtype(fn, *epilogue.combine_gate, "combine_gate", q.dtype);
-    expect_shape(fn, *epilogue.combine_gate, "combine_gate", {B, Sq, Hq, D});
-  }
   if (B == 0 || Sq == 0 || Hq == 0) return true;
 
   if (!cuda_sm90::sm90_path_enabled(q.device.index) || Sk == 0) return false;
   for (const TensorView* t : {&q, &k, &v, &out})
     if (!cuda_sm90::tma_compatible(*t)) return false;
   if (!(scale > 0.0)) return false;
-  // The combine reads column pairs of coarse and gate as 4-byte words.
-  for (const TensorView* t : {epilogue.combine_coarse, epilogue.combine_gate})
-    if (t && (t->stride[3] != 1 || !cuda_sm80::rows_aligned(*t, 4))) return false;
 
   // TMA-compatible (checked above): every row starts on 16 bytes.
   cuda_sm80::AttentionParams kp =
       cuda_sm80::layout_params(q, k, v, out, lse, B, Hq, Hkv, Sq, Sk, scale, false);
   kp.out_aligned4 = true;
-  kp.tile_volume = tile_volume;
-  if (epilogue.q_block_sizes) {
-    kp.q_block_sizes = static_cast<const std::int32_t*>(epilogue.q_block_sizes->data);
-    kp.q_block_sizes_stride = epilogue.q_block_sizes->stride[0];
-  }
-  if (epilogue.combine_coarse) {
-    const TensorView& c = *epilogue.combine_coarse;
-    kp.combine_coarse = c.data;
-    kp.coarse_strides = {c.stride[0], c.stride[1], c.stride[2]};
-  }
-  if (epilogue.combine_gate) {
-    const TensorView& g = *epilogue.combine_gate;
-    kp.combine_gate = g.data;
-    kp.gate_strides = {g.stride[0], g.stride[1], g.stride[2]};
-  }
   kp.sm_margin = sm_margin;
 
   cuda_sm90::SparseKeyListArgs s;

@@ -1,8 +1,6 @@
 // Epilogue of the sm_90a forward: normalises the output accumulator, zeroes rows that saw no
-// key or are padded queries (query mask; block-sparse: slots past their tile's size), and
-// writes O (pairs of columns, 4-byte stores) and the LSE (natural log, fp32) straight from
-// registers. Rows past the sequence are not written. Block-sparse inference may fold VSA's
-// combination in: O + gate * coarse[tile] on valid slots, rounded once.
+// key or are padded queries, and writes O (pairs of columns, 4-byte stores) and the LSE
+// (natural log, fp32) straight from registers. Rows past the sequence are not written.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -18,15 +16,6 @@
 namespace vidattn::cuda_sm90 {
 
 using cuda_sm80::Sequence;
-
-template <class Element>
-__device__ __forceinline__ float2 unpack_pair(std::uint32_t bits) {
-  if constexpr (cute::is_same_v<Element, cutlass::bfloat16_t>) {
-    return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&bits));
-  } else {
-    return __half22float2(*reinterpret_cast<const __half2*>(&bits));
-  }
-}
 
 template <class Element>
 __device__ __forceinline__ std::uint32_t pack_pair(float x, float y) {
@@ -55,37 +44,13 @@ __device__ __forceinline__ void write_output(const AttentionParams& p, const Seq
     bool empty = !(sum > 0.f);
     if (p.query_mask && !p.query_mask[seq.batch * p.query_mask_batch + i * p.query_mask_row])
       empty = true;
-    // Block-sparse (tiled layout): the slot's tile, and whether the slot is past its size.
-    const std::int64_t tile = p.q_block_sizes ? i / p.tile_volume : 0;
-    const bool padded = p.q_block_sizes &&
-                        i - tile * p.tile_volume >= p.q_block_sizes[tile * p.q_block_sizes_stride];
-    empty = empty || padded;
     const float inv = empty ? 0.f : 1.f / sum;
     std::uint16_t* dst = out + cuda_sm80::q_side_offset(p, p.out_strides, seq, i, h);
-    if (p.combine_coarse && !padded) {
-      const auto* coarse = static_cast<const std::uint16_t*>(p.combine_coarse) +
-                           seq.batch * p.coarse_strides.batch + tile * p.coarse_strides.row +
-                           h * p.coarse_strides.head;
-      const auto* gate = p.combine_gate ? static_cast<const std::uint16_t*>(p.combine_gate) +
-                                              cuda_sm80::q_side_offset(p, p.gate_strides, seq, i, h)
-                                        : nullptr;
 #pragma unroll
-      for (int j = 0; j < kVals / 4; ++j) {
-        const int v = 4 * j + 2 * r;
-        const int col = cute::get<1>(coords(v));
-        const float2 c = unpack_pair<Element>(*reinterpret_cast<const std::uint32_t*>(coarse + col));
-        const float2 g = gate ? unpack_pair<Element>(*reinterpret_cast<const std::uint32_t*>(gate + col))
-                              : make_float2(1.f, 1.f);
-        *reinterpret_cast<std::uint32_t*>(dst + col) =
-            pack_pair<Element>(o(v) * inv + g.x * c.x, o(v + 1) * inv + g.y * c.y);
-      }
-    } else {
-#pragma unroll
-      for (int j = 0; j < kVals / 4; ++j) {
-        const int v = 4 * j + 2 * r;
-        *reinterpret_cast<std::uint32_t*>(dst + cute::get<1>(coords(v))) =
-            pack_pair<Element>(o(v) * inv, o(v + 1) * inv);
-      }
+    for (int j = 0; j < kVals / 4; ++j) {
+      const int v = 4 * j + 2 * r;
+      *reinterpret_cast<std::uint32_t*>(dst + cute::get<1>(coords(v))) =
+          pack_pair<Element>(o(v) * inv, o(v + 1) * inv);
     }
     if ((lane & 3) == 0)
       p.lse[cuda_sm80::q_side_offset(p, p.lse_strides, seq, i, h)] =
