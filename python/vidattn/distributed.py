@@ -131,10 +131,10 @@ class DistributedAttention(torch.nn.Module):
     the video grid only). VSA is fast enough for the all-to-alls to show, so the
     layer pipelines it over head chunks of this rank's heads: chunk c + 1 travels while chunk
     c is computed, and chunk c's output travels back while chunk c + 1 is computed.
-    ``head_chunks``: an int (that many equal chunks) or the head count of each chunk (e.g.
-    ``(2, 8, 8, 2)``: a small first chunk shortens the wait before compute starts, a small
-    last one the wait after it); default 2 equal chunks where they split evenly. Heads are
-    independent, so the result is the same. With B = 1 the pipeline applies RoPE on each
+    ``head_chunks``: an int (that many equal chunks) or the head count of each chunk, e.g.
+    ``(2, 8, 8, 2)``; default 2 equal chunks where they split evenly (on 2x H200 uneven
+    chunks measured no faster, docs/perf-notes.md). Heads are independent, so the result is
+    the same. With B = 1 the pipeline applies RoPE on each
     rank's own positions before the all-to-all, writing straight into the send buffers (no
     separate packing copy).
     ``sm_margin`` (default 0) is passed to the sparse kernel (see
@@ -328,6 +328,7 @@ class DistributedAttention(torch.nn.Module):
 
     @staticmethod
     def _ranges_fit(sizes, sharded, world: int) -> bool:
+        """Whether every chunk edge (in q heads) is also a whole number of each tensor's heads."""
         h_local = sharded[0].shape[2] // world
         edge = 0
         for size in sizes:

@@ -502,6 +502,8 @@ def test_bad_arguments():
         vidattn.DistributedAttention(topk=2)
     with pytest.raises(ValueError, match="sm_margin must be >= 0"):
         vidattn.DistributedAttention(sm_margin=-1)
+    with pytest.raises(ValueError, match="topk must be >= 1"):
+        vidattn.DistributedAttention("vsa", tiling=vidattn.VideoTiling((4, 4, 4)), topk=0)
     for chunks in (0, (), (2, 0), (1.5,)):
         with pytest.raises(ValueError, match="head_chunks must be an int >= 1"):
             vidattn.DistributedAttention(head_chunks=chunks)
