@@ -326,6 +326,7 @@ TORCH_LIBRARY_IMPL(vidattn, Meta, m) {
 TORCH_LIBRARY_IMPL(vidattn, Autograd, m) {
   m.impl("attention", &attention_autograd);
   m.impl("attention_varlen", &attention_varlen_autograd);
+  m.impl("attention_backward", refusing_double_backward());
 }
 
 }  // namespace vidattn::torch_ops

@@ -3,7 +3,12 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <c10/util/Exception.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/library.h>
 
 #ifdef VIDATTN_TORCH_CUDA
 #include <ATen/cuda/CUDAContext.h>
@@ -11,6 +16,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "vidattn/error.h"
 #include "vidattn/tensor_view.h"
@@ -111,6 +117,36 @@ inline void require_int32(const at::Tensor& t, const char* fn, const char* name)
 }
 inline void require_int32(const std::optional<at::Tensor>& t, const char* fn, const char* name) {
   if (t && t->defined()) require_int32(*t, fn, name);
+}
+
+// Autograd kernel of the *_backward ops: they have no derivative of their own. Where their
+// inputs require grad (create_graph=True through vidattn), the outputs get a node that raises
+// if a gradient ever flows back through it (like torch's once_differentiable), instead of
+// PyTorch's fallback, which only warns and yields zero second derivatives.
+inline void refuse_double_backward(const c10::OperatorHandle& op, c10::DispatchKeySet,
+                                   torch::jit::Stack* stack) {
+  std::vector<at::Tensor> tracked;
+  if (at::GradMode::is_enabled())
+    for (const c10::IValue& v : torch::jit::last(*stack, op.schema().arguments().size()))
+      if (v.isTensor() && v.toTensor().requires_grad()) tracked.push_back(v.toTensor());
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.callBoxed(stack);
+  }
+  if (tracked.empty()) return;
+  auto error = std::shared_ptr<torch::autograd::Error>(
+      new torch::autograd::Error(
+          std::string(op.schema().name()) +
+              ": double backward (a gradient of vidattn's gradients) is not supported",
+          torch::autograd::collect_next_edges(tracked)),
+      torch::autograd::deleteNode);
+  for (const c10::IValue& v : torch::jit::last(*stack, op.schema().returns().size()))
+    if (v.isTensor() && v.toTensor().defined() && at::isFloatingType(v.toTensor().scalar_type()))
+      torch::autograd::set_history(v.toTensor(), error);
+}
+
+inline torch::CppFunction refusing_double_backward() {
+  return torch::CppFunction::makeFromBoxedFunction<&refuse_double_backward>();
 }
 
 }  // namespace vidattn::torch_ops

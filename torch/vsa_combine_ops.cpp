@@ -130,6 +130,7 @@ TORCH_LIBRARY_IMPL(vidattn, Meta, m) {
 
 TORCH_LIBRARY_IMPL(vidattn, Autograd, m) {
   m.impl("vsa_combine", &vsa_combine_autograd);
+  m.impl("vsa_combine_backward", refusing_double_backward());
 }
 
 }  // namespace vidattn::torch_ops

@@ -561,6 +561,8 @@ TORCH_LIBRARY_IMPL(vidattn, Autograd, m) {
   m.impl("gather_tokens", &gather_tokens_autograd);
   m.impl("tile_mean_pool", &tile_mean_pool_autograd);
   m.impl("block_sparse_attention", &block_sparse_attention_autograd);
+  m.impl("tile_mean_pool_backward", refusing_double_backward());
+  m.impl("block_sparse_attention_backward", refusing_double_backward());
 }
 
 }  // namespace vidattn::torch_ops

@@ -228,3 +228,17 @@ def test_forward_is_thread_count_independent(gen):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(out1, out3)
+
+
+def test_double_backward_raises():
+    """attention_backward has no derivative of its own: differentiating vidattn's gradients
+    raises instead of silently giving zeros; a second-order graph elsewhere still works."""
+    q = torch.randn(1, 16, 2, 8, dtype=torch.float64, requires_grad=True)
+    (g,) = torch.autograd.grad(vidattn.attention(q, q, q).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad((g * g).sum(), q)
+    w = torch.randn(3, dtype=torch.float64, requires_grad=True)
+    (gw,) = torch.autograd.grad((w ** 3).sum() + vidattn.attention(q, q, q).sum(), w,
+                                create_graph=True)
+    (gww,) = torch.autograd.grad(gw.sum(), w)
+    torch.testing.assert_close(gww, 6 * w.detach())

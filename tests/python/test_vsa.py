@@ -471,6 +471,22 @@ def test_vsa_inference_forward_equals_training_forward():
     assert torch.equal(a, b)
 
 
+def test_double_backward_raises():
+    """VSA's backward ops have no derivative of their own: a gradient of its gradients raises
+    (instead of PyTorch's fallback, which warns and returns zeros); first-order gradients with
+    create_graph=True are the plain ones."""
+    t = vidattn.VideoTiling((5, 7, 9), (4, 4, 4))
+    q, k, v, g = (randn((1, t.padded_len, 2, 16), s).requires_grad_() for s in (70, 71, 72, 73))
+    out = vidattn.video_sparse_attention(q, k, v, tiling=t, topk=2, gate=g)
+    first = torch.autograd.grad(out.sum(), (q, k, v, g), create_graph=True)
+    plain = torch.autograd.grad(
+        vidattn.video_sparse_attention(q, k, v, tiling=t, topk=2, gate=g).sum(), (q, k, v, g))
+    for a, b in zip(first, plain):
+        assert torch.equal(a.detach(), b)
+    with pytest.raises(RuntimeError, match="double backward"):
+        torch.autograd.grad(sum((x * x).sum() for x in first), (q, k, v, g))
+
+
 # ---------------------------------------------------------------------------------------
 # Packed videos
 
@@ -556,8 +572,11 @@ def test_opcheck_every_vsa_op():
         off, k2q = ops.block_sparse_transpose_index(idx, cnt, t.num_tiles)
         opcheck(ops.block_sparse_transpose_index, (idx, cnt, t.num_tiles))
         out, lse = ops.block_sparse_attention(q.detach(), k.detach(), v.detach(), idx, cnt, **kw)
+        # The backward op has no derivative of its own (double backward raises: see
+        # test_double_backward_raises): checked on inputs that do not require grad.
         opcheck(ops.block_sparse_attention_backward,
-                (randn(out.shape, 116, torch.float32), q, k, v, out, lse, idx, cnt, off, k2q),
+                (randn(out.shape, 116, torch.float32), q.detach(), k.detach(), v.detach(), out,
+                 lse, idx, cnt, off, k2q),
                 dict(kw, scale=None, deterministic=True))
     opcheck(ops.vsa_tiling_metadata, ([5, 7, 9, 2, 3, 4], [4, 4, 4]))
     opcheck(ops.vsa_tiling_metadata, ([5, 7, 9], [4, 8, 8]), dict(device="cpu"))
