@@ -19,9 +19,15 @@ import argparse
 import json
 import os
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+# The communicator options parser of the layer's benchmark (one spelling for both tools).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+from distributed_bench import nccl_group  # noqa: E402
 
 
 def timed(fn, iters: int, warmup: int = 3) -> float:
@@ -39,17 +45,6 @@ def timed(fn, iters: int, warmup: int = 3) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
-
-
-def nccl_group(spec: str):
-    """None (the default group) or a new NCCL group with the options in spec."""
-    if spec == "default":
-        return None
-    opts = dist.ProcessGroupNCCL.Options()
-    for item in spec.split(","):
-        key, value = item.split("=")
-        setattr(opts.config, key, int(value))
-    return dist.new_group(backend="nccl", pg_options=opts)
 
 
 def main() -> None:
