@@ -233,7 +233,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
         KeyBlock b;
         b.valid = st.block_valid[stage][0];
         b.valid_hi = st.block_valid[stage][1];
-        b.needs_mask = Visit::kHalves ? b.valid < BN / 2 || b.valid_hi < BN / 2 : b.valid < BN;
+        b.needs_mask = Visit::needs_mask(b.valid, b.valid_hi);
         return b;
       } else {
         return visit.block(i);

@@ -111,6 +111,15 @@ struct SparseKeyList {
     const bool ok = tile >= 0 && tile < kv_tiles;
     return ok ? (sizes ? __ldg(sizes + tile) : tile_volume) : 0;
   }
+  // Valid keys clamped to [0, n].
+  static __device__ __forceinline__ int clamp_keys(int keys, int n) {
+    return keys < 0 ? 0 : (keys > n ? n : keys);
+  }
+  // Whether a block with these valid keys (per half with kHalves) needs the key mask; the
+  // consumers apply the same rule to the lengths the producer records.
+  static __device__ __forceinline__ bool needs_mask(int valid, int valid_hi) {
+    return kHalves ? valid < kBlockN / 2 || valid_hi < kBlockN / 2 : valid < kBlockN;
+  }
   __device__ __forceinline__ KeyBlock block(int i) const {
     if constexpr (kHalves) {
       constexpr int kHalf = kBlockN / 2;
@@ -121,9 +130,9 @@ struct SparseKeyList {
       b.start = static_cast<std::int64_t>(lo >= 0 && lo < kv_tiles ? lo : 0) * kHalf;
       b.start_hi = static_cast<std::int64_t>(hi >= 0 && hi < kv_tiles ? hi : 0) * kHalf;
       const int n_lo = tile_keys(lo), n_hi = has_hi ? tile_keys(hi) : 0;
-      b.valid = n_lo < 0 ? 0 : (n_lo > kHalf ? kHalf : n_lo);
-      b.valid_hi = n_hi < 0 ? 0 : (n_hi > kHalf ? kHalf : n_hi);
-      b.needs_mask = b.valid < kHalf || b.valid_hi < kHalf;
+      b.valid = clamp_keys(n_lo, kHalf);
+      b.valid_hi = clamp_keys(n_hi, kHalf);
+      b.needs_mask = needs_mask(b.valid, b.valid_hi);
       return b;
     }
     const int tile = __ldg(list + i / blocks_per_tile);
@@ -133,9 +142,8 @@ struct SparseKeyList {
     // is fully masked.
     const bool ok = tile >= 0 && tile < kv_tiles;
     b.start = static_cast<std::int64_t>(ok ? tile : 0) * tile_volume + sub * kBlockN;
-    const int n = ok ? (sizes ? __ldg(sizes + tile) : tile_volume) - sub * kBlockN : 0;
-    b.valid = n < 0 ? 0 : (n > kBlockN ? kBlockN : n);
-    b.needs_mask = b.valid < kBlockN;
+    b.valid = clamp_keys(ok ? tile_keys(tile) - sub * kBlockN : 0, kBlockN);
+    b.needs_mask = needs_mask(b.valid, 0);
     return b;
   }
   __device__ __forceinline__ bool visible(std::int64_t, std::int64_t) const { return true; }
