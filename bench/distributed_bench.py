@@ -137,7 +137,7 @@ class Bench:
             return vidattn.DistributedAttention("dense", group=group)
         tiling = vidattn.VideoTiling(grid=self.grid, tile=dims(self.args.tile), device=self.device)
         return vidattn.DistributedAttention("vsa", group=group, tiling=tiling,
-                                            sparsity=self.args.sparsity, **(config or {}))
+                                            sparsity=self.args.sparsity, **config)
 
     def configs(self, case):
         """The 2-GPU layer settings to time: the defaults, or the --head-chunks x
