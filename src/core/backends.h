@@ -34,8 +34,8 @@ void cuda_attention_backward(const AttentionProblem& p, const TensorView& q,
 // the public block-sparse op routes here on sm_90). q [B, Sq, Hq, D], k and v [B, Sk, Hkv, D]
 // in the tiled layout, out like q, lse fp32 [B, Hq, Sq]; q2k_index int32 [B, Hq, Sq / tile,
 // MaxK], q2k_count int32 [B, Hq, Sq / tile], kv_block_sizes int32 [Sk / tile] or null (full
-// tiles). Padded query slots are computed like the others (the caller clears them). A query tile
-// with count 0 gets out 0 and lse -inf. Returns false, launching nothing, where this device or
+// tiles). q_block_sizes int32 [Sq / tile] or null (full tiles): slots past a tile's size get
+// out 0 and lse -inf. A query tile with count 0 gets out 0 and lse -inf. Returns false, launching nothing, where this device or
 // build has no sm_90a path or a view is not TMA-compatible. Throws ValueError / TypeError on
 // bad arguments. Asynchronous on `stream`.
 bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
@@ -43,7 +43,8 @@ bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
                                     const TensorView& lse, const TensorView& q2k_index,
                                     const TensorView& q2k_count,
                                     const TensorView* kv_block_sizes, int tile_volume,
-                                    double scale, int sm_margin, void* stream);
+                                    double scale, int sm_margin, void* stream,
+                                    const TensorView* q_block_sizes = nullptr);
 #endif
 
 // Launches of the sm_90a (Hopper) forward kernels so far in this process: lets tests check

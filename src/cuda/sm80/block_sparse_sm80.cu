@@ -350,55 +350,6 @@ const TensorView* optional_view(const std::optional<TensorView>& t) {
   return t ? &*t : nullptr;
 }
 
-// ---- padded query slots after the sm_90a forward --------------------------------------------
-
-struct ClearPaddedParams {
-  std::uint16_t* out = nullptr;  // bf16 / fp16 bits; +0 is all-zero bits in both
-  std::int64_t os[3] = {};       // batch, slot, head
-  float* lse = nullptr;
-  std::int64_t ls[3] = {};  // batch, head, slot
-  const std::int32_t* q_sizes = nullptr;
-  std::int64_t q_sizes_stride = 1;
-  int heads = 0, q_tiles = 0, tile_volume = 0, head_dim_v = 0;
-};
-
-// One block per (batch, query tile, head): the slots past the tile's block size get out 0 and
-// LSE -inf (vsa.h), whatever the kernel computed there from their (unread-by-contract) inputs.
-__global__ void block_sparse_attention_clear_padded_queries_kernel(const ClearPaddedParams p) {
-  const int h = blockIdx.x % p.heads;
-  const int t = (blockIdx.x / p.heads) % p.q_tiles;
-  const std::int64_t b = blockIdx.x / (static_cast<std::int64_t>(p.heads) * p.q_tiles);
-  int valid = p.q_sizes[t * p.q_sizes_stride];
-  valid = valid < 0 ? 0 : (valid > p.tile_volume ? p.tile_volume : valid);
-  const int padded = p.tile_volume - valid;
-  const std::int64_t slot0 = static_cast<std::int64_t>(t) * p.tile_volume + valid;
-  for (int i = threadIdx.x; i < padded * p.head_dim_v; i += blockDim.x) {
-    const std::int64_t slot = slot0 + i / p.head_dim_v;
-    p.out[b * p.os[0] + slot * p.os[1] + h * p.os[2] + i % p.head_dim_v] = 0;
-  }
-  for (int i = threadIdx.x; i < padded; i += blockDim.x)
-    p.lse[b * p.ls[0] + h * p.ls[1] + (slot0 + i) * p.ls[2]] = -INFINITY;
-}
-
-void clear_padded_queries(const BlockSparseProblem& pr, const TensorView& out,
-                          const TensorView& lse, const TensorView& q_sizes, cudaStream_t stream) {
-  const std::int64_t blocks = pr.batch * pr.q_tiles * pr.heads_q;
-  if (blocks == 0) return;
-  ClearPaddedParams c;
-  c.out = static_cast<std::uint16_t*>(out.data);
-  c.lse = static_cast<float*>(lse.data);
-  for (int d = 0; d < 3; ++d) c.os[d] = out.stride[d], c.ls[d] = lse.stride[d];
-  c.q_sizes = static_cast<const std::int32_t*>(q_sizes.data);
-  c.q_sizes_stride = q_sizes.stride[0];
-  c.heads = static_cast<int>(pr.heads_q);
-  c.q_tiles = static_cast<int>(pr.q_tiles);
-  c.tile_volume = static_cast<int>(pr.tile_volume);
-  c.head_dim_v = static_cast<int>(pr.head_dim_v);
-  block_sparse_attention_clear_padded_queries_kernel<<<static_cast<unsigned>(blocks), 128, 0,
-                                                       stream>>>(c);
-  check_cuda(cudaGetLastError(), "block-sparse padded-query clear kernel launch");
-}
-
 // The sm_90a forward (src/cuda/sm90) when this device, build and layout allow it.
 bool try_sm90_forward(const BlockSparseProblem& p, const TensorView& q, const TensorView& k,
                       const TensorView& v, const TensorView& q2k_index,
@@ -411,13 +362,11 @@ bool try_sm90_forward(const BlockSparseProblem& p, const TensorView& q, const Te
   if (p.max_k > 1 && q2k_index.stride[3] != 1) return false;
   if (o.kv_block_sizes && p.kv_tiles > 1 && o.kv_block_sizes->stride[0] != 1) return false;
   const double scale = p.scale;
-  if (!detail::cuda_sm90_block_sparse_forward(q, k, v, out, lse, q2k_index, q2k_count,
-                                              optional_view(o.kv_block_sizes),
-                                              static_cast<int>(p.tile_volume), scale, o.sm_margin,
-                                              stream))
-    return false;
-  if (o.q_block_sizes) clear_padded_queries(p, out, lse, *o.q_block_sizes, stream);
-  return true;
+  // Its epilogue writes the padded query slots (out 0, lse -inf).
+  return detail::cuda_sm90_block_sparse_forward(q, k, v, out, lse, q2k_index, q2k_count,
+                                                optional_view(o.kv_block_sizes),
+                                                static_cast<int>(p.tile_volume), scale,
+                                                o.sm_margin, stream, optional_view(o.q_block_sizes));
 #else
   (void)p, (void)q, (void)k, (void)v, (void)q2k_index, (void)q2k_count, (void)out, (void)lse,
       (void)o, (void)stream;

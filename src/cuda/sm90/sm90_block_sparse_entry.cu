@@ -44,7 +44,8 @@ bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
                                     const TensorView& lse, const TensorView& q2k_index,
                                     const TensorView& q2k_count,
                                     const TensorView* kv_block_sizes, int tile_volume,
-                                    double scale, int sm_margin, void* stream) {
+                                    double scale, int sm_margin, void* stream,
+                                    const TensorView* q_block_sizes) {
   constexpr const char* fn = "vidattn._block_sparse_forward_sm90";
   if (q.ndim != 4 || k.ndim != 4 || v.ndim != 4)
     throw_value_error(fn, ": q, k, v must be 4-D [B, S, H, D], got ", shape_string(q), ", ",
@@ -72,6 +73,7 @@ bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
   expect_dtype(fn, q2k_index, "q2k_index", DType::kInt32);
   expect_dtype(fn, q2k_count, "q2k_count", DType::kInt32);
   if (kv_block_sizes) expect_dtype(fn, *kv_block_sizes, "kv_block_sizes", DType::kInt32);
+  if (q_block_sizes) expect_dtype(fn, *q_block_sizes, "q_block_sizes", DType::kInt32);
   if (q2k_index.ndim != 4)
     throw_value_error(fn, ": argument 'q2k_index' must be 4-D [B, H, Qtiles, MaxK], got ",
                       shape_string(q2k_index));
@@ -79,6 +81,7 @@ bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
   expect_shape(fn, q2k_index, "q2k_index", {B, Hq, q_tiles, max_k});
   expect_shape(fn, q2k_count, "q2k_count", {B, Hq, q_tiles});
   if (kv_block_sizes) expect_shape(fn, *kv_block_sizes, "kv_block_sizes", {kv_tiles});
+  if (q_block_sizes) expect_shape(fn, *q_block_sizes, "q_block_sizes", {q_tiles});
   expect_shape(fn, out, "out", {B, Sq, Hq, D});
   expect_shape(fn, lse, "lse", {B, Hq, Sq});
   if (max_k > 1 && q2k_index.stride[3] != 1)
@@ -96,6 +99,11 @@ bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
   cuda_sm80::AttentionParams kp =
       cuda_sm80::layout_params(q, k, v, out, lse, B, Hq, Hkv, Sq, Sk, scale, false);
   kp.out_aligned4 = true;
+  kp.tile_volume = tile_volume;
+  if (q_block_sizes) {  // the epilogue zeroes padded query slots
+    kp.q_block_sizes = static_cast<const std::int32_t*>(q_block_sizes->data);
+    kp.q_block_sizes_stride = q_block_sizes->stride[0];
+  }
   kp.sm_margin = sm_margin;
 
   cuda_sm90::SparseKeyListArgs s;

@@ -221,6 +221,14 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     if (!t.active) continue;
     const Visit visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
     const int n = visit.num_blocks();
+    // Block-sparse: the end of the stream's query tile's valid slots (a stream's rows lie in
+    // one tile); loaded now, read by the epilogue.
+    std::int64_t row_limit = INT64_MAX;
+    if (p.attn.q_block_sizes) {
+      const std::int64_t tile = t.q0 / p.attn.tile_volume;
+      row_limit = tile * p.attn.tile_volume +
+                  __ldg(p.attn.q_block_sizes + tile * p.attn.q_block_sizes_stride);
+    }
     OnlineSoftmax softmax(p.attn.scale, p.rescale_slack);
     float alpha[2];
 
@@ -242,7 +250,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     if (n == 0) {
       Barrier::arrive(&st.q_empty);
       clear(tOrO);
-      write_output<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax);
+      write_output<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax, row_limit);
       continue;
     }
 
@@ -297,7 +305,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     Barrier::arrive(&st.v_empty[prev.stage]);
-    write_output<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax);
+    write_output<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax, row_limit);
   }
 }
 
