@@ -1,5 +1,6 @@
-// The fused VSA combine op: schema, CPU / CUDA / Meta kernels and autograd on the op.
-// out = fine + gate * coarse broadcast over each tile's valid slots (vidattn/vsa_combine.h).
+// The fused VSA combine ops: schemas, CPU / CUDA / Meta kernels and autograd on the ops.
+// out = fine + gate * coarse broadcast over each tile's valid slots (vidattn/vsa_combine.h);
+// vsa_combine_rows does the same on a run of raster rows (the sequence-parallel layer).
 #include <ATen/ATen.h>
 #include <ATen/DeviceGuard.h>
 #include <ATen/Parallel.h>
@@ -100,6 +101,96 @@ Tensor vsa_combine_autograd(const Tensor& fine, const Tensor& coarse, const OptT
   return VsaCombineFunction::apply(fine, coarse, gate, block_sizes, tile_volume);
 }
 
+// ---- the row mode: raster rows first_token ... (vidattn/vsa_combine.h) ----
+
+Tensor vsa_combine_rows_kernel(const Tensor& fine, const Tensor& coarse, const OptTensor& gate,
+                               const Tensor& token_to_slot, const Tensor& slot_to_token,
+                               int64_t tile_volume, int64_t first_token) {
+  constexpr const char* fn = "vidattn.vsa_combine_rows";
+  const at::OptionalDeviceGuard device_guard(at::device_of(fine));
+  require_int32(token_to_slot, fn, "token_to_slot");
+  require_int32(slot_to_token, fn, "slot_to_token");
+  return translate_errors([&] {
+    const TensorView fv = view_of(fine, fn, "fine");
+    Tensor out = at::empty_like(fine, at::MemoryFormat::Contiguous);
+    vsa_combine_rows(fv, view_of(coarse, fn, "coarse"), view_of(gate, fn, "gate"),
+                     view_of(token_to_slot, fn, "token_to_slot"),
+                     view_of(slot_to_token, fn, "slot_to_token"), tile_volume, first_token,
+                     view_of(out, fn, "out"), at::get_num_threads(), stream_of(fine));
+    return out;
+  });
+}
+
+Tensor vsa_combine_rows_meta(const Tensor& fine, const Tensor&, const OptTensor&, const Tensor&,
+                             const Tensor&, int64_t, int64_t) {
+  return at::empty_symint(fine.sym_sizes(), fine.options());
+}
+
+std::tuple<Tensor, Tensor> vsa_combine_rows_backward_kernel(
+    const Tensor& grad_out, const Tensor& coarse, const OptTensor& gate,
+    const Tensor& token_to_slot, const Tensor& slot_to_token, int64_t tile_volume,
+    int64_t first_token) {
+  constexpr const char* fn = "vidattn.vsa_combine_rows_backward";
+  const at::OptionalDeviceGuard device_guard(at::device_of(grad_out));
+  require_int32(token_to_slot, fn, "token_to_slot");
+  require_int32(slot_to_token, fn, "slot_to_token");
+  return translate_errors([&] {
+    const TensorView gv = view_of(grad_out, fn, "grad_out");
+    Tensor grad_coarse = at::empty_like(coarse, at::MemoryFormat::Contiguous);
+    Tensor grad_gate = has(gate) ? at::empty_like(grad_out, at::MemoryFormat::Contiguous)
+                                 : at::empty({0}, grad_out.options());
+    vsa_combine_rows_backward(
+        gv, view_of(coarse, fn, "coarse"), view_of(gate, fn, "gate"),
+        view_of(token_to_slot, fn, "token_to_slot"), view_of(slot_to_token, fn, "slot_to_token"),
+        tile_volume, first_token, view_of(grad_coarse, fn, "grad_coarse"),
+        has(gate) ? std::optional<TensorView>(view_of(grad_gate, fn, "grad_gate")) : std::nullopt,
+        at::get_num_threads(), stream_of(grad_out));
+    return std::make_tuple(grad_coarse, grad_gate);
+  });
+}
+
+std::tuple<Tensor, Tensor> vsa_combine_rows_backward_meta(const Tensor& grad_out,
+                                                          const Tensor& coarse,
+                                                          const OptTensor& gate, const Tensor&,
+                                                          const Tensor&, int64_t, int64_t) {
+  Tensor grad_gate = has(gate) ? at::empty_symint(grad_out.sym_sizes(), grad_out.options())
+                               : at::empty({0}, grad_out.options());
+  return std::make_tuple(at::empty_symint(coarse.sym_sizes(), coarse.options()), grad_gate);
+}
+
+class VsaCombineRowsFunction : public torch::autograd::Function<VsaCombineRowsFunction> {
+ public:
+  static Tensor forward(AutogradContext* ctx, const Tensor& fine, const Tensor& coarse,
+                        const OptTensor& gate, const Tensor& token_to_slot,
+                        const Tensor& slot_to_token, int64_t tile_volume, int64_t first_token) {
+    static auto op = find_op<decltype(vsa_combine_rows_kernel)>("vidattn::vsa_combine_rows");
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->save_for_backward({coarse, has(gate) ? *gate : Tensor(), token_to_slot, slot_to_token});
+    ctx->saved_data["tile_volume"] = tile_volume;
+    ctx->saved_data["first_token"] = first_token;
+    return op.call(fine, coarse, gate, token_to_slot, slot_to_token, tile_volume, first_token);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    static auto op = find_op<decltype(vsa_combine_rows_backward_kernel)>(
+        "vidattn::vsa_combine_rows_backward");
+    const auto saved = ctx->get_saved_variables();
+    const Tensor grad = unit_stride_grad(grads[0]);
+    const OptTensor gate = saved[1].defined() ? OptTensor(saved[1]) : std::nullopt;
+    auto [grad_coarse, grad_gate] =
+        op.call(grad, saved[0], gate, saved[2], saved[3], ctx->saved_data["tile_volume"].toInt(),
+                ctx->saved_data["first_token"].toInt());
+    return {grads[0], grad_coarse, gate ? grad_gate : Tensor(), Tensor(), Tensor(), Tensor(),
+            Tensor()};
+  }
+};
+
+Tensor vsa_combine_rows_autograd(const Tensor& fine, const Tensor& coarse, const OptTensor& gate,
+                                 const Tensor& token_to_slot, const Tensor& slot_to_token,
+                                 int64_t tile_volume, int64_t first_token) {
+  return VsaCombineRowsFunction::apply(fine, coarse, gate, token_to_slot, slot_to_token,
+                                       tile_volume, first_token);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vidattn, m) {
@@ -110,12 +201,21 @@ TORCH_LIBRARY_FRAGMENT(vidattn, m) {
   m.def("vsa_combine_backward(Tensor grad_out, Tensor coarse, Tensor? gate, "
         "Tensor block_sizes, int tile_volume) -> (Tensor grad_coarse, Tensor grad_gate)",
         tags);
+  m.def("vsa_combine_rows(Tensor fine, Tensor coarse, Tensor? gate, Tensor token_to_slot, "
+        "Tensor slot_to_token, int tile_volume, int first_token) -> Tensor",
+        tags);
+  m.def("vsa_combine_rows_backward(Tensor grad_out, Tensor coarse, Tensor? gate, "
+        "Tensor token_to_slot, Tensor slot_to_token, int tile_volume, int first_token) -> "
+        "(Tensor grad_coarse, Tensor grad_gate)",
+        tags);
 }
 
 // The same kernels serve CPU and CUDA tensors (the core dispatches on the device).
 static void impl_combine_kernels(torch::Library& m) {
   m.impl("vsa_combine", &vsa_combine_kernel);
   m.impl("vsa_combine_backward", &vsa_combine_backward_kernel);
+  m.impl("vsa_combine_rows", &vsa_combine_rows_kernel);
+  m.impl("vsa_combine_rows_backward", &vsa_combine_rows_backward_kernel);
 }
 
 TORCH_LIBRARY_IMPL(vidattn, CPU, m) { impl_combine_kernels(m); }
@@ -126,11 +226,15 @@ TORCH_LIBRARY_IMPL(vidattn, CUDA, m) { impl_combine_kernels(m); }
 TORCH_LIBRARY_IMPL(vidattn, Meta, m) {
   m.impl("vsa_combine", &vsa_combine_meta);
   m.impl("vsa_combine_backward", &vsa_combine_backward_meta);
+  m.impl("vsa_combine_rows", &vsa_combine_rows_meta);
+  m.impl("vsa_combine_rows_backward", &vsa_combine_rows_backward_meta);
 }
 
 TORCH_LIBRARY_IMPL(vidattn, Autograd, m) {
   m.impl("vsa_combine", &vsa_combine_autograd);
   m.impl("vsa_combine_backward", refusing_double_backward());
+  m.impl("vsa_combine_rows", &vsa_combine_rows_autograd);
+  m.impl("vsa_combine_rows_backward", refusing_double_backward());
 }
 
 }  // namespace vidattn::torch_ops

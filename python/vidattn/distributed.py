@@ -130,7 +130,11 @@ class DistributedAttention(torch.nn.Module):
     sharded like q) is optional. Replicated tokens are not supported with VSA (its tiles cover
     the video grid only). VSA is fast enough for the all-to-alls to show, so the
     layer pipelines it over head chunks of this rank's heads: chunk c + 1 travels while chunk
-    c is computed, and chunk c's output travels back while chunk c + 1 is computed.
+    c is computed, and chunk c's output travels back while chunk c + 1 is computed. What
+    travels back is the fine branch alone; the coarse outputs (one row per tile, float32) are
+    all-gathered, and every rank forms ``o_c * gate + o_s`` on its own rows
+    (``vidattn::vsa_combine_rows``), so the gate never leaves its rank (one all-to-all fewer
+    each way).
     ``head_chunks``: an int (that many equal chunks) or the head count of each chunk, e.g.
     ``(2, 8, 8, 2)``; default 2 equal chunks where they split evenly (on 2x H200 uneven
     chunks measured no faster, docs/perf-notes.md). Heads are independent, so the result is
@@ -240,6 +244,39 @@ class DistributedAttention(torch.nn.Module):
             scale=self.scale, sm_margin=self.sm_margin or 0)
         return tiling.untile(out)
 
+    def _vsa_chunk(self, q, k, v, seq_len: int, padded: int, world: int, group):
+        """One head chunk of the pipeline (world > 1), before the combination: the fine
+        output in raster order, padded to the full length, and the all-gather (issued, not
+        waited) of the float32 coarse output over the group's head groups, ``[world * B,
+        Tiles, hc, Dv]``. float32, so that the coarse gradient, which every rank sums over
+        its own rows, is summed across ranks before it is rounded to 16 bits."""
+        from torch.distributed import _functional_collectives as funcol
+        from .vsa import _check_vsa_args, _vsa_branches
+        tiling = self.tiling
+        tiled = [tiling.tile(t) for t in (q, k, v)]
+        kv_tiling, topk = _check_vsa_args(*tiled, tiling, None, self.topk, self.sparsity)
+        o_s, o_c, _ = _vsa_branches(*tiled, tiling, kv_tiling, topk, self.sparsity, self.scale,
+                                    self.sm_margin or 0)
+        fine = tiling.untile(o_s)
+        if seq_len != padded:
+            fine = F.pad(fine, (0, 0, 0, 0, 0, padded - seq_len))
+        if o_c.dtype in (torch.float16, torch.bfloat16):
+            o_c = o_c.float()
+        coarse = torch.ops._c10d_functional.all_gather_into_tensor(
+            o_c.contiguous(), world, funcol._resolve_group_name(group))
+        return fine, coarse
+
+    @staticmethod
+    def _gathered_coarse(gathered, world: int) -> torch.Tensor:
+        """The chunks' all-gathered coarse outputs -> ``[B, Tiles, H, Dv]`` in the heads'
+        order on the home rank (head group j, then the chunks' heads)."""
+        parts = []
+        for g in gathered:
+            g = torch.ops._c10d_functional.wait_tensor(g)
+            parts.append(g.unflatten(0, (world, -1)).permute(1, 2, 0, 3, 4))
+        coarse = torch.cat(parts, dim=3)  # [B, Tiles, world, h_local, Dv]
+        return coarse.flatten(2, 3)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                 seq_len: Optional[int] = None, cos: Optional[torch.Tensor] = None,
                 sin: Optional[torch.Tensor] = None, replicated_q: Optional[torch.Tensor] = None,
@@ -259,9 +296,14 @@ class DistributedAttention(torch.nn.Module):
         self._check(q, k, v, seq_len, world, cos, sin, replicated, gate)
 
         if self.backend == "vsa" and world > 1:
-            sharded = [q, k, v] if gate is None else [q, k, v, gate]
-            return self._vsa_pipelined(sharded, world, group, seq_len, padded, cos, sin,
-                                       self._head_ranges(sharded, world))
+            sharded = [q, k, v]
+            fine, coarse = self._vsa_pipelined(sharded, world, group, seq_len, padded, cos, sin,
+                                               self._head_ranges(sharded, world))
+            # The combination on this rank's own rows: the gate never travels.
+            tiling = self.tiling
+            return torch.ops.vidattn.vsa_combine_rows(
+                fine, coarse, gate, tiling.token_to_slot, tiling.slot_to_token,
+                tiling.tile_volume, rank * q.shape[1])
 
         # Full sequence, this rank's heads.
         sharded = [q, k, v]
@@ -338,11 +380,13 @@ class DistributedAttention(torch.nn.Module):
         return True
 
     def _vsa_pipelined(self, sharded, world: int, group, seq_len: int, padded: int, cos, sin,
-                       ranges) -> torch.Tensor:
+                       ranges):
         """The VSA path (world > 1) over the head chunks `ranges` of this rank's heads, with
         the all-to-alls overlapping compute: chunk c + 1 travels while chunk c computes, and
-        chunk c's output travels back while chunk c + 1 computes. Head j * h_local + h of a
-        tensor is head h of the chunk list on rank j. sharded: q, k, v and the gate, if any."""
+        chunk c's fine output travels back while chunk c + 1 computes. Head j * h_local + h
+        of a tensor is head h of the chunk list on rank j. sharded: q, k, v. Returns this
+        rank's rows of the fine output ``[B, S_local, H, Dv]`` and the coarse output of all
+        heads ``[B, Tiles, H, Dv]`` (float32), for the combination on this rank."""
         b, s_local = sharded[0].shape[0], sharded[0].shape[1]
         if b == 1:
             return self._vsa_pipelined_b1(sharded, world, group, seq_len, padded, cos, sin,
@@ -356,36 +400,34 @@ class DistributedAttention(torch.nn.Module):
                      for x in sharded]  # [world (destination), B, S_local, hc * D]
             widths.append([part.shape[-1] for part in parts])
             pending.append(_all_to_all_start(torch.cat(parts, dim=-1), world, group))
-        returning = []
+        returning, gathered = [], []
         for c in range(len(ranges)):
             recv = torch.ops._c10d_functional.wait_tensor(pending[c])
             full = recv.permute(1, 0, 2, 3).reshape(b, world * s_local, sum(widths[c]))
-            ts = [chunk.unflatten(-1, (-1, x.shape[3]))[:, :seq_len]
-                  for chunk, x in zip(torch.split(full, widths[c], dim=-1), sharded)]
-            q, k, v = ts[:3]
-            gate = ts[3] if len(ts) == 4 else None
+            q, k, v = [chunk.unflatten(-1, (-1, x.shape[3]))[:, :seq_len]
+                       for chunk, x in zip(torch.split(full, widths[c], dim=-1), sharded)]
             if cos is not None:
                 q = apply_rope(q, cos, sin, interleaved=self.interleaved_rope)
                 k = apply_rope(k, cos, sin, interleaved=self.interleaved_rope)
-            out = self._vsa(q, k, v, gate)
-            if seq_len != padded:
-                out = F.pad(out, (0, 0, 0, 0, 0, padded - seq_len))
-            hc, dv = out.shape[2], out.shape[3]
-            send = out.reshape(b, world, s_local, hc * dv).permute(1, 0, 2, 3).contiguous()
+            fine, coarse = self._vsa_chunk(q, k, v, seq_len, padded, world, group)
+            gathered.append(coarse)
+            hc, dv = fine.shape[2], fine.shape[3]
+            send = fine.reshape(b, world, s_local, hc * dv).permute(1, 0, 2, 3).contiguous()
             returning.append(_all_to_all_start(send, world, group))
         # [world (head group), B, S_local, hc * Dv] per chunk -> [B, S_local, world, hc, Dv].
         back = [torch.ops._c10d_functional.wait_tensor(r).permute(1, 2, 0, 3)
                 .unflatten(-1, (h1 - h0, -1)) for r, (h0, h1) in zip(returning, ranges)]
-        out = torch.cat(back, dim=3)
-        return out.reshape(b, s_local, world * h_local, out.shape[-1])
+        fine = torch.cat(back, dim=3)
+        fine = fine.reshape(b, s_local, world * h_local, fine.shape[-1])
+        return fine, self._gathered_coarse(gathered, world)
 
     def _vsa_pipelined_b1(self, sharded, world: int, group, seq_len: int, padded: int, cos,
-                          sin, ranges) -> torch.Tensor:
+                          sin, ranges):
         """_vsa_pipelined for B = 1 without the packing copy: the tensors of a chunk travel
         in separate all-to-alls, each sent from a [world, S_local, hc, D] buffer that one pass
         fills. RoPE runs before the all-to-all, on this rank's positions, and is that pass for
-        q and k (a view of the shard with the destination rank as the batch dimension); v and
-        the gate are copied. What arrives is already [1, world * S_local, hc, D]."""
+        q and k (a view of the shard with the destination rank as the batch dimension); v is
+        copied. What arrives is already [1, world * S_local, hc, D]."""
         rank = dist.get_rank(group)
         s_local = sharded[0].shape[1]
         h_local = sharded[0].shape[2] // world
@@ -415,28 +457,27 @@ class DistributedAttention(torch.nn.Module):
         # packing of later chunks does not delay the first compute.
         chunks = len(ranges)
         pending = {c: issue(c) for c in range(min(2, chunks))}
-        returning = []
+        returning, gathered = [], []
         result = None
         for c in range(chunks):
             ts = [torch.ops._c10d_functional.wait_tensor(r) for r in pending.pop(c)]
-            ts = [t.reshape(1, world * s_local, t.shape[2], t.shape[3])[:, :seq_len] for t in ts]
-            q, k, v = ts[:3]
-            gate = ts[3] if len(ts) == 4 else None
-            out = self._vsa(q, k, v, gate)
-            if seq_len != padded:
-                out = F.pad(out, (0, 0, 0, 0, 0, padded - seq_len))
-            hc, dv = out.shape[2], out.shape[3]
-            returning.append(_all_to_all_start(out.view(world, s_local, hc, dv), world, group))
+            q, k, v = [t.reshape(1, world * s_local, t.shape[2], t.shape[3])[:, :seq_len]
+                       for t in ts]
+            fine, coarse = self._vsa_chunk(q, k, v, seq_len, padded, world, group)
+            gathered.append(coarse)
+            hc, dv = fine.shape[2], fine.shape[3]
+            returning.append(_all_to_all_start(fine.view(world, s_local, hc, dv), world, group))
             if c + 2 < chunks:
                 pending[c + 2] = issue(c + 2)
             if result is None:
-                result = out.new_empty(s_local, world, h_local, dv)
+                result = fine.new_empty(s_local, world, h_local, dv)
             # Chunk c - 1 came back while chunk c computed: place it now, so that only the
             # last chunk's placement follows the last compute.
             if c >= 1:
                 place(c - 1)
         place(chunks - 1)
-        return result.view(1, s_local, world * h_local, dv)
+        return (result.view(1, s_local, world * h_local, dv),
+                self._gathered_coarse(gathered, world))
 
 
 def _head_slice(x: torch.Tensor, world: int, h_local: int, h0: int, h1: int) -> torch.Tensor:

@@ -233,6 +233,20 @@ def video_sparse_attention(
     selection is a constant). With ``return_selection`` also returns ``(q2k_index,
     q2k_count)``. ``sm_margin`` is passed to the fine branch (see ``block_sparse_attention``).
     """
+    kv_tiling, topk = _check_vsa_args(q, k, v, tiling, kv_tiling, topk, sparsity)
+    if gate is not None and (not isinstance(gate, torch.Tensor) or gate.shape != q.shape):
+        raise ValueError(f"video_sparse_attention: gate must have q's shape {tuple(q.shape)}, got "
+                         f"{tuple(gate.shape) if isinstance(gate, torch.Tensor) else type(gate)}")
+    o_s, o_c, selection = _vsa_branches(q, k, v, tiling, kv_tiling, topk, sparsity, scale,
+                                         sm_margin)
+    # out = o_s + gate * (o_c on each tile's valid slots), in one pass.
+    out = _ops.vsa_combine(o_s, o_c, gate, tiling.block_sizes, tiling.tile_volume)
+    return (out, selection) if return_selection else out
+
+
+def _check_vsa_args(q, k, v, tiling, kv_tiling, topk, sparsity):
+    """video_sparse_attention's checks of everything but the gate; returns ``(kv_tiling,
+    topk)`` resolved."""
     kv_tiling = tiling if kv_tiling is None else kv_tiling
     if not isinstance(tiling, VideoTiling) or not isinstance(kv_tiling, VideoTiling):
         raise TypeError("video_sparse_attention: tiling and kv_tiling must be VideoTiling objects")
@@ -256,10 +270,15 @@ def video_sparse_attention(
     else:
         # MaxK of the selection: the largest per-video count (the kernel picks each video's own).
         topk = topk_from_sparsity(sparsity, kv_tiling.max_tiles_per_video)
-    if gate is not None and (not isinstance(gate, torch.Tensor) or gate.shape != q.shape):
-        raise ValueError(f"video_sparse_attention: gate must have q's shape {tuple(q.shape)}, got "
-                         f"{tuple(gate.shape) if isinstance(gate, torch.Tensor) else type(gate)}")
+    return kv_tiling, topk
 
+
+def _vsa_branches(q, k, v, tiling: VideoTiling, kv_tiling: VideoTiling, topk: int, sparsity,
+                  scale, sm_margin: int):
+    """video_sparse_attention before its combination, on arguments checked by
+    _check_vsa_args: the fine output ``o_s`` (tiled like q), the coarse output ``o_c``
+    ``[B, Tiles, H, Dv]`` and the selection ``(q2k_index, q2k_count)``. The sequence-parallel
+    layer combines them itself, on the rows each rank holds."""
     volume = tiling.tile_volume
     q_c = _ops.tile_mean_pool(q, tiling.block_sizes, volume)
     k_c = _ops.tile_mean_pool(k, kv_tiling.block_sizes, volume)
@@ -281,9 +300,7 @@ def video_sparse_attention(
         kv_block_sizes=kv_tiling.block_sizes, scale=scale,
         validate_index=False,  # built by topk_tiles just above: valid by construction
         sm_margin=int(sm_margin))
-    # out = o_s + gate * (o_c on each tile's valid slots), in one pass.
-    out = _ops.vsa_combine(o_s, o_c, gate, tiling.block_sizes, volume)
-    return (out, (q2k_index, q2k_count)) if return_selection else out
+    return o_s, o_c, (q2k_index, q2k_count)
 
 
 def pack_videos(xs: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -86,7 +86,7 @@ void copy_strides(std::int64_t (&dst)[3], const TensorView& t) {
 detail::CombineLaunchParams launch_params(const CombineShape& s, const TensorView& slots,
                                           const TensorView& coarse,
                                           const std::optional<TensorView>& gate,
-                                          const TensorView& block_sizes,
+                                          const TensorView* block_sizes,
                                           std::int64_t tile_volume, void* stream) {
   static_assert(int(DType::kFloat32) == 0 && int(DType::kFloat16) == 1 &&
                 int(DType::kBFloat16) == 2 && int(DType::kFloat64) == 3);
@@ -94,11 +94,15 @@ detail::CombineLaunchParams launch_params(const CombineShape& s, const TensorVie
   lp.fine = slots.data;
   lp.coarse = coarse.data;
   lp.gate = gate ? gate->data : nullptr;
-  lp.block_sizes = static_cast<const std::int32_t*>(block_sizes.data);
-  lp.block_sizes_stride = block_sizes.stride[0];
+  if (block_sizes) {
+    lp.block_sizes = static_cast<const std::int32_t*>(block_sizes->data);
+    lp.block_sizes_stride = block_sizes->stride[0];
+  }
   lp.dtype = int(slots.dtype);
+  lp.coarse_dtype = int(coarse.dtype);
   lp.batch = s.batch, lp.tiles = s.tiles, lp.tile_volume = tile_volume;
   lp.heads = s.heads, lp.head_dim = s.head_dim;
+  lp.rows = slots.shape[1];
   copy_strides(lp.fine_stride, slots);
   copy_strides(lp.coarse_stride, coarse);
   if (gate) copy_strides(lp.gate_stride, *gate);
@@ -130,7 +134,7 @@ void vsa_combine(const TensorView& fine, const TensorView& coarse,
                                    num_threads);
 #if VIDATTN_WITH_CUDA
   detail::CombineLaunchParams lp =
-      launch_params(s, fine, coarse, gate, block_sizes, tile_volume, stream);
+      launch_params(s, fine, coarse, gate, &block_sizes, tile_volume, stream);
   lp.out = out.data;
   copy_strides(lp.out_stride, out);
   lp.vectorize = lp.vectorize && aligned16(out);
@@ -162,7 +166,146 @@ void vsa_combine_backward(const TensorView& grad_out, const TensorView& coarse,
                                             grad_coarse, grad_gate, num_threads);
 #if VIDATTN_WITH_CUDA
   detail::CombineLaunchParams lp =
-      launch_params(s, grad_out, coarse, gate, block_sizes, tile_volume, stream);
+      launch_params(s, grad_out, coarse, gate, &block_sizes, tile_volume, stream);
+  lp.grad_coarse = grad_coarse.data;
+  copy_strides(lp.grad_coarse_stride, grad_coarse);
+  if (grad_gate) {
+    lp.grad_gate = grad_gate->data;
+    copy_strides(lp.grad_gate_stride, *grad_gate);
+  }
+  lp.vectorize = lp.vectorize && aligned16(grad_coarse) && (!grad_gate || aligned16(*grad_gate));
+  throw_if(kFn, detail::launch_vsa_combine_backward_cuda(lp));
+#else
+  (void)s, (void)stream;
+  throw NotImplementedError(
+      detail::concat(kFn, ": this build of vidattn has no CUDA backend; pass CPU tensors"));
+#endif
+}
+
+namespace {
+
+// Row mode (vsa_combine_rows): `rows` [B, R, H, D] of a raster sequence, coarse [B, Tiles, H,
+// D] in the rows' dtype or float32, the tiling's two maps.
+CombineShape check_combine_rows(const ArgChecker& check, const TensorView& rows,
+                                const char* rows_name, const TensorView& coarse,
+                                const std::optional<TensorView>& gate,
+                                const TensorView& token_to_slot,
+                                const TensorView& slot_to_token, std::int64_t tile_volume,
+                                std::int64_t first_token) {
+  if (!is_supported_tile_volume(tile_volume))
+    check.fail("tile volume must be 64, 128 or 256, got ", tile_volume);
+  if (first_token < 0) check.fail("first_token must be >= 0, got ", first_token);
+  check.ndim(rows, rows_name, 4, "[B, R, H, D]");
+  if (!detail::is_float_dtype(rows.dtype))
+    detail::throw_type_error(check.function(), ": argument '", rows_name,
+                             "' must be float32, float16, bfloat16 or float64, got ",
+                             dtype_name(rows.dtype));
+  check.ndim(slot_to_token, "slot_to_token", 1, "[Tiles * V]");
+  check.ndim(token_to_slot, "token_to_slot", 1, "[num_tokens]");
+  for (const auto& [map, name] : {std::pair{&slot_to_token, "slot_to_token"},
+                                  std::pair{&token_to_slot, "token_to_slot"}}) {
+    check.dtype(*map, name, DType::kInt32);
+    check.same_device(*map, name, rows.device);
+    check.unit_last_stride(*map, name);
+    check.non_null(*map, name);
+  }
+  if (slot_to_token.shape[0] % tile_volume != 0)
+    check.fail("argument 'slot_to_token' has ", slot_to_token.shape[0],
+               " slots, not a multiple of the tile volume ", tile_volume);
+  const CombineShape s{rows.shape[0], slot_to_token.shape[0] / tile_volume, rows.shape[2],
+                       rows.shape[3]};
+  const std::int64_t coarse_shape[4] = {s.batch, s.tiles, s.heads, s.head_dim};
+  check.shape(coarse, "coarse", coarse_shape, 4, "[B, Tiles, H, D]");
+  if (coarse.dtype != rows.dtype && coarse.dtype != DType::kFloat32)
+    detail::throw_type_error(check.function(), ": argument 'coarse' must have dtype ",
+                             dtype_name(rows.dtype), " (that of '", rows_name,
+                             "') or float32, got ", dtype_name(coarse.dtype));
+  if (coarse.dtype != rows.dtype && rows.dtype == DType::kFloat64)
+    detail::throw_type_error(check.function(),
+                             ": argument 'coarse' must be float64 with float64 rows, got ",
+                             dtype_name(coarse.dtype));
+  check.same_device(coarse, "coarse", rows.device);
+  if (gate) {
+    check.shape(*gate, "gate", rows.shape, 4, "(the shape of the rows)");
+    check.dtype(*gate, "gate", rows.dtype);
+    check.same_device(*gate, "gate", rows.device);
+    check.unit_last_stride(*gate, "gate");
+    check.non_null(*gate, "gate");
+  }
+  check.unit_last_stride(rows, rows_name);
+  check.unit_last_stride(coarse, "coarse");
+  check.non_null(rows, rows_name);
+  check.non_null(coarse, "coarse");
+  return s;
+}
+
+#if VIDATTN_WITH_CUDA
+void set_row_mode(detail::CombineLaunchParams& lp, const TensorView& token_to_slot,
+                  const TensorView& slot_to_token, std::int64_t first_token) {
+  lp.token_to_slot = static_cast<const std::int32_t*>(token_to_slot.data);
+  lp.slot_to_token = static_cast<const std::int32_t*>(slot_to_token.data);
+  lp.num_tokens = token_to_slot.shape[0];
+  lp.first_token = first_token;
+}
+#endif
+
+}  // namespace
+
+void vsa_combine_rows(const TensorView& fine, const TensorView& coarse,
+                      const std::optional<TensorView>& gate, const TensorView& token_to_slot,
+                      const TensorView& slot_to_token, std::int64_t tile_volume,
+                      std::int64_t first_token, const TensorView& out, int num_threads,
+                      void* stream) {
+  constexpr const char* kFn = "vidattn::vsa_combine_rows";
+  const ArgChecker check(kFn);
+  const CombineShape s = check_combine_rows(check, fine, "fine", coarse, gate, token_to_slot,
+                                            slot_to_token, tile_volume, first_token);
+  check_output(check, out, "out", fine);
+  if (fine.numel() == 0) return;
+  if (on_cpu(fine))
+    return detail::cpu_vsa_combine_rows(fine, coarse, gate, token_to_slot, slot_to_token,
+                                        tile_volume, first_token, out, num_threads);
+#if VIDATTN_WITH_CUDA
+  detail::CombineLaunchParams lp =
+      launch_params(s, fine, coarse, gate, nullptr, tile_volume, stream);
+  set_row_mode(lp, token_to_slot, slot_to_token, first_token);
+  lp.out = out.data;
+  copy_strides(lp.out_stride, out);
+  lp.vectorize = lp.vectorize && aligned16(out);
+  throw_if(kFn, detail::launch_vsa_combine_cuda(lp));
+#else
+  (void)s, (void)stream;
+  throw NotImplementedError(
+      detail::concat(kFn, ": this build of vidattn has no CUDA backend; pass CPU tensors"));
+#endif
+}
+
+void vsa_combine_rows_backward(const TensorView& grad_out, const TensorView& coarse,
+                               const std::optional<TensorView>& gate,
+                               const TensorView& token_to_slot, const TensorView& slot_to_token,
+                               std::int64_t tile_volume, std::int64_t first_token,
+                               const TensorView& grad_coarse,
+                               const std::optional<TensorView>& grad_gate, int num_threads,
+                               void* stream) {
+  constexpr const char* kFn = "vidattn::vsa_combine_rows_backward";
+  const ArgChecker check(kFn);
+  const CombineShape s =
+      check_combine_rows(check, grad_out, "grad_out", coarse, gate, token_to_slot,
+                         slot_to_token, tile_volume, first_token);
+  check_output(check, grad_coarse, "grad_coarse", coarse);
+  if (grad_gate) {
+    if (!gate) check.fail("argument 'grad_gate' needs 'gate'");
+    check_output(check, *grad_gate, "grad_gate", grad_out);
+  }
+  if (coarse.numel() == 0 && grad_out.numel() == 0) return;
+  if (on_cpu(grad_out))
+    return detail::cpu_vsa_combine_rows_backward(grad_out, coarse, gate, token_to_slot,
+                                                 slot_to_token, tile_volume, first_token,
+                                                 grad_coarse, grad_gate, num_threads);
+#if VIDATTN_WITH_CUDA
+  detail::CombineLaunchParams lp =
+      launch_params(s, grad_out, coarse, gate, nullptr, tile_volume, stream);
+  set_row_mode(lp, token_to_slot, slot_to_token, first_token);
   lp.grad_coarse = grad_coarse.data;
   copy_strides(lp.grad_coarse_stride, grad_coarse);
   if (grad_gate) {

@@ -18,4 +18,18 @@ void cpu_vsa_combine_backward(const TensorView& grad_out, const TensorView& coar
                               const TensorView& grad_coarse,
                               const std::optional<TensorView>& grad_gate, int num_threads);
 
+
+// Row mode (vidattn::vsa_combine_rows); coarse may be float32 with 16-bit rows. The maps are
+// host data here and are checked against each other.
+void cpu_vsa_combine_rows(const TensorView& fine, const TensorView& coarse,
+                          const std::optional<TensorView>& gate, const TensorView& token_to_slot,
+                          const TensorView& slot_to_token, std::int64_t tile_volume,
+                          std::int64_t first_token, const TensorView& out, int num_threads);
+void cpu_vsa_combine_rows_backward(const TensorView& grad_out, const TensorView& coarse,
+                                   const std::optional<TensorView>& gate,
+                                   const TensorView& token_to_slot,
+                                   const TensorView& slot_to_token, std::int64_t tile_volume,
+                                   std::int64_t first_token, const TensorView& grad_coarse,
+                                   const std::optional<TensorView>& grad_gate, int num_threads);
+
 }  // namespace vidattn::detail

@@ -94,4 +94,63 @@ TEST(VsaCombine, BadArgumentsAreNamed) {
   }
 }
 
+// The row mode on a run of raster rows that starts mid-video and ends past it (padding rows):
+// every output element written, padding rows passed through, and the coarse gradient summed
+// over exactly the tokens in the run.
+TEST(VsaCombineRows, ForwardAndBackwardOnARunOfRows) {
+  const auto layout = vidattn::describe_tiling({{3, 5, 6}}, {4, 4, 4});
+  const std::int64_t tokens = layout.num_tokens, tiles = layout.num_tiles, V = 64;
+  std::vector<std::int32_t> sizes(tiles), s2t(tiles * V), t2s(tokens), cu_tiles(2), cu_tokens(2);
+  vidattn::tiling_metadata(layout, make_view(sizes.data(), DType::kInt32, {tiles}),
+                           make_view(s2t.data(), DType::kInt32, {tiles * V}),
+                           make_view(t2s.data(), DType::kInt32, {tokens}),
+                           make_view(cu_tiles.data(), DType::kInt32, {2}),
+                           make_view(cu_tokens.data(), DType::kInt32, {2}));
+  const std::int64_t B = 2, H = 2, D = 8, first = 37, R = tokens - first + 3;
+  const auto fine = random_vector(B * R * H * D, 5), gate = random_vector(B * R * H * D, 6),
+             gout = random_vector(B * R * H * D, 7), coarse = random_vector(B * tiles * H * D, 8);
+  const auto rows = [&](const std::vector<double>& x) {
+    return make_view(const_cast<double*>(x.data()), DType::kFloat64, {B, R, H, D});
+  };
+  const auto cv = make_view(const_cast<double*>(coarse.data()), DType::kFloat64, {B, tiles, H, D});
+  const auto t2s_view = make_view(t2s.data(), DType::kInt32, {tokens});
+  const auto s2t_view = make_view(s2t.data(), DType::kInt32, {tiles * V});
+  std::vector<double> out(fine.size(), kNaN), grad_coarse(coarse.size(), kNaN),
+      grad_gate(gate.size(), kNaN);
+  vidattn::vsa_combine_rows(rows(fine), cv, rows(gate), t2s_view, s2t_view, V, first, rows(out));
+  vidattn::vsa_combine_rows_backward(
+      rows(gout), cv, rows(gate), t2s_view, s2t_view, V, first,
+      make_view(grad_coarse.data(), DType::kFloat64, {B, tiles, H, D}), rows(grad_gate));
+  std::vector<double> want_dc(coarse.size(), 0.0);
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t r = 0; r < R; ++r)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t d = 0; d < D; ++d) {
+          const std::int64_t i = ((b * R + r) * H + h) * D + d, token = first + r;
+          if (token >= tokens) {  // padding row
+            ASSERT_EQ(out[i], fine[i]);
+            ASSERT_EQ(grad_gate[i], 0.0);
+            continue;
+          }
+          const std::int64_t c = ((b * tiles + t2s[token] / V) * H + h) * D + d;
+          ASSERT_NEAR(out[i], fine[i] + gate[i] * coarse[c], 1e-14);
+          ASSERT_NEAR(grad_gate[i], gout[i] * coarse[c], 1e-14);
+          want_dc[c] += gout[i] * gate[i];
+        }
+  for (std::size_t i = 0; i < want_dc.size(); ++i) ASSERT_NEAR(grad_coarse[i], want_dc[i], 1e-12);
+
+  // Inconsistent maps and a float32 coarse with float64 rows are named errors.
+  std::vector<std::int32_t> bad = t2s;
+  bad[5] = bad[6];
+  EXPECT_THROW(vidattn::vsa_combine_rows(rows(fine), cv, rows(gate),
+                                         make_view(bad.data(), DType::kInt32, {tokens}), s2t_view,
+                                         V, first, rows(out)),
+               vidattn::ValueError);
+  std::vector<float> coarse32(coarse.size(), 0.f);
+  EXPECT_THROW(vidattn::vsa_combine_rows(
+                   rows(fine), make_view(coarse32.data(), DType::kFloat32, {B, tiles, H, D}),
+                   rows(gate), t2s_view, s2t_view, V, first, rows(out)),
+               vidattn::TypeError);
+}
+
 }  // namespace

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import vidattn
+from cuda_poison import poison_allocator
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -30,14 +31,6 @@ def gen(seed: int) -> torch.Generator:
 
 def randn(shape, dtype, g, scale=1.0):
     return (torch.randn(shape, generator=g, device=DEV, dtype=torch.float32) * scale).to(dtype)
-
-
-def poison_allocator(nbytes: int) -> None:
-    """Fill freed blocks of the caching allocator with NaN, so that outputs the ops allocate
-    next start as NaN and any element a kernel forgets to write shows up."""
-    n = max(nbytes // 4, 1)
-    blocks = [torch.full((n,), float("nan"), device=DEV) for _ in range(4)]
-    del blocks
 
 
 def reference(q, k, v, scale, causal=False, kmask=None, qmask=None):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import vidattn
+from cuda_poison import poison_allocator
 import vsa_reference as ref
 from test_vsa import assert_2x, random_index
 
@@ -28,13 +29,6 @@ def gen(seed):
 
 def randn(shape, seed, dtype, scale=1.0):
     return (torch.randn(shape, generator=gen(seed), dtype=torch.float64) * scale).to(dtype)
-
-
-def poison_allocator(nbytes: int) -> None:
-    """Fill freed blocks of the caching allocator with NaN, so that the outputs the op
-    allocates next start as NaN: an element a kernel forgets to write shows up."""
-    blocks = [torch.full((max(nbytes // 4, 1),), float("nan"), device=DEV) for _ in range(4)]
-    del blocks
 
 
 def reference_lse(q, k, idx, cnt, V, q_sizes, kv_sizes, scale):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import vidattn
+from cuda_poison import poison_allocator
 import vsa_reference as ref
 
 ops = torch.ops.vidattn
@@ -24,13 +25,6 @@ FLOOR = {torch.float32: 2e-6, torch.bfloat16: 2e-3, torch.float16: 5e-4}
 def randn(shape, seed, dtype=torch.float32, scale=1.0, device="cuda"):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
-
-
-def poison_allocator(nbytes):
-    """Best effort: leave NaN bytes in the caching allocator's free blocks so that an output
-    the op allocates next likely starts as NaN (every element must then be written)."""
-    torch.full((nbytes // 4 + 1,), float("nan"), device="cuda")
-    torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------------------------

@@ -151,3 +151,149 @@ def test_vsa_op_output_matches_unfused_composition():
                                          kv_block_sizes=t.block_sizes)
     expected = t.broadcast_tiles(o_c) * gate + o_s
     assert (out - expected).abs().max().item() <= 1e-12
+
+
+# ---- vsa_combine_rows: the combination on a run of raster rows (sequence-parallel layer) ----
+
+def make_rows(seed, tiling, first, R, B, H, D, dtype, coarse_dtype, device):
+    g = torch.Generator().manual_seed(seed)
+    fine, gate = (torch.randn((B, R, H, D), generator=g, dtype=torch.float64) for _ in range(2))
+    coarse = torch.randn((B, tiling.num_tiles, H, D), generator=g, dtype=torch.float64)
+    return fine.to(dtype).to(device), coarse.to(coarse_dtype).to(device), gate.to(dtype).to(device)
+
+
+def rows_reference(fine, coarse, gate, tiling, first):
+    """float64: out, d coarse / d gate factors by the tiled path's own maps."""
+    R = fine.shape[1]
+    tokens = torch.arange(first, first + R)
+    real = tokens < tiling.num_tokens
+    tile = torch.zeros(R, dtype=torch.long)
+    tile[real] = tiling.token_to_slot.cpu().long()[tokens[real]] // tiling.tile_volume
+    c = coarse.cpu().double()[:, tile] * real[None, :, None, None]
+    g = gate.cpu().double() if gate is not None else 1.0
+    return fine.cpu().double() + g * c, tile, real
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,coarse_dtype", [
+    (torch.float64, torch.float64), (torch.float32, torch.float32),
+    (torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32)])
+@pytest.mark.parametrize("grid,tile,first,R,H,D,use_gate", [
+    ((3, 5, 9), (4, 4, 4), 0, 135, 2, 64, True),      # every token, no padding row
+    ((3, 5, 9), (4, 4, 4), 50, 91, 3, 8, True),       # the second half and 6 padding rows
+    ((5, 6, 7), (2, 8, 8), 17, 100, 1, 128, False),   # a middle run, no gate
+    ((4, 9, 8), (4, 8, 8), 200, 130, 2, 40, True)])   # odd D: the unvectorised path
+def test_combine_rows_forward_and_gradients(device, dtype, coarse_dtype, grid, tile, first, R,
+                                            H, D, use_gate):
+    t = vidattn.VideoTiling(grid, tile, device=device)
+    fine, coarse, gate = make_rows(R + H + D, t, first, R, 2, H, D, dtype, coarse_dtype, device)
+    gate = gate if use_gate else None
+    xs = [x.clone().requires_grad_() for x in (fine, coarse)] + (
+        [gate.clone().requires_grad_()] if gate is not None else [])
+    out = ops.vsa_combine_rows(xs[0], xs[1], xs[2] if gate is not None else None,
+                               t.token_to_slot, t.slot_to_token, t.tile_volume, first)
+    ref, tile_of, real = rows_reference(fine, coarse, gate, t, first)
+    assert out.shape == fine.shape and out.dtype == dtype and out.device.type == device
+    tol = rounding(dtype) * max(1.0, ref.abs().max().item())
+    assert (out.cpu().double() - ref).abs().max().item() <= tol
+    assert torch.equal(out[:, ~real.to(device)], fine[:, ~real.to(device)])  # padding rows
+
+    gout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3),
+                       dtype=torch.float64).to(dtype).to(device)
+    grads = torch.autograd.grad(out, xs, gout)
+    assert torch.equal(grads[0], gout)
+    assert grads[1].dtype == coarse_dtype
+    gout64 = gout.cpu().double()
+    g64 = gate.cpu().double() if gate is not None else torch.ones_like(gout64)
+    contrib = (gout64 * g64)[:, real]
+    ref_dc = torch.zeros((2, t.num_tiles, H, D), dtype=torch.float64)
+    ref_dc.index_add_(1, tile_of[real], contrib)
+    if coarse_dtype == torch.float32 and dtype != torch.float32:
+        # float32 sums of exact products of 16-bit values, never rounded to 16 bits: the
+        # bound of up to 256 float32 additions.
+        abs_sum = torch.zeros_like(ref_dc).index_add_(1, tile_of[real], contrib.abs())
+        tol_c = 256 * 2.0 ** -24 * max(1.0, abs_sum.max().item())
+    else:
+        tol_c = rounding(dtype) * max(1.0, ref_dc.abs().max().item()) * 4
+    assert (grads[1].cpu().double() - ref_dc).abs().max().item() <= tol_c
+    if gate is not None:
+        ref_dg = gout64 * coarse.cpu().double()[:, tile_of] * real[None, :, None, None]
+        tol_g = rounding(dtype) * max(1.0, ref_dg.abs().max().item())
+        assert (grads[2].cpu().double() - ref_dg).abs().max().item() <= tol_g
+        assert torch.equal(grads[2][:, ~real.to(device)],
+                           torch.zeros_like(grads[2][:, ~real.to(device)]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_combine_rows_partial_sums_add_up_to_the_tiled_op(device):
+    """Two runs of rows that split a video (as two ranks hold it): their outputs are the tiled
+    op's output untiled, bit for bit, and their float32 coarse gradients add up to the tiled
+    op's (the layer's all-gather backward sums them)."""
+    t = vidattn.VideoTiling((6, 7, 10), (4, 4, 4), device=device)
+    g = torch.Generator().manual_seed(11)
+    fine, gate = (torch.randn((1, t.num_tokens, 3, 64), generator=g).to(torch.bfloat16).to(device)
+                  for _ in range(2))
+    coarse = torch.randn((1, t.num_tiles, 3, 64), generator=g).to(torch.bfloat16).to(device)
+    gout = torch.randn(fine.shape, generator=g).to(torch.bfloat16).to(device)
+    tiled = ops.vsa_combine(t.tile(fine), coarse, t.tile(gate), t.block_sizes, 64)
+    dc_tiled, dg_tiled = ops.vsa_combine_backward(t.tile(gout), coarse, t.tile(gate),
+                                                  t.block_sizes, 64)
+    half = (t.num_tokens + 1) // 2
+    outs, dcs, dgs = [], [], []
+    for lo in (0, half):
+        rows = slice(lo, min(lo + half, t.num_tokens))
+        pad = lo + half - min(lo + half, t.num_tokens)  # the last run's padding row
+        f, gt, go = (torch.nn.functional.pad(x[:, rows], (0, 0, 0, 0, 0, pad))
+                     for x in (fine, gate, gout))
+        outs.append(ops.vsa_combine_rows(f, coarse.float(), gt, t.token_to_slot,
+                                         t.slot_to_token, 64, lo)[:, :half - pad])
+        dc, dg = ops.vsa_combine_rows_backward(go, coarse.float(), gt, t.token_to_slot,
+                                               t.slot_to_token, 64, lo)
+        dcs.append(dc)
+        dgs.append(dg[:, :half - pad])
+    assert torch.equal(torch.cat(outs, dim=1), t.untile(tiled))
+    assert torch.equal(torch.cat(dgs, dim=1), t.untile(dg_tiled))
+    summed = (dcs[0] + dcs[1]).to(torch.bfloat16)
+    # float32 sums in another order, rounded once to bf16: at most one bf16 step apart.
+    step = dc_tiled.float().abs() * 2 ** -7 + 1e-6
+    assert ((summed.float() - dc_tiled.float()).abs() <= step).all()
+
+
+def test_combine_rows_opcheck():
+    t = vidattn.VideoTiling((3, 5, 6), (4, 4, 4))
+    fine, coarse, gate = make_rows(5, t, 20, 50, 1, 2, 64, torch.float32, torch.float32, "cpu")
+    for g in (gate, None):
+        torch.library.opcheck(ops.vsa_combine_rows.default,
+                              (fine.requires_grad_(), coarse.requires_grad_(), g,
+                               t.token_to_slot, t.slot_to_token, 64, 20))
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    (dict(first=-1), ValueError, "first_token must be >= 0"),
+    (dict(coarse_dtype=torch.float16), TypeError, "'coarse' must have dtype bfloat16 .* or float32"),
+    (dict(coarse_tiles=2), ValueError, "'coarse' must have shape"),
+    (dict(maps="swapped"), ValueError, "slot_to_token|tile volume|inverse maps"),
+    (dict(maps="corrupt"), ValueError, "not the inverse maps of one tiling"),
+    (dict(maps="int64"), TypeError, "'token_to_slot' must have dtype int32"),
+    (dict(gate_shape=True), ValueError, "'gate' must have shape"),
+])
+def test_combine_rows_bad_input(bad, exc, match):
+    t = vidattn.VideoTiling((3, 5, 6), (4, 4, 4))
+    fine, coarse, gate = make_rows(6, t, 0, 40, 1, 2, 64, torch.bfloat16, torch.bfloat16, "cpu")
+    t2s, s2t = t.token_to_slot, t.slot_to_token
+    if "coarse_dtype" in bad:
+        coarse = coarse.to(bad["coarse_dtype"])
+    if "coarse_tiles" in bad:
+        coarse = coarse[:, :bad["coarse_tiles"]]
+    if bad.get("maps") == "swapped":
+        t2s, s2t = s2t, t2s
+    if bad.get("maps") == "corrupt":
+        t2s = t2s.clone()
+        t2s[3] = t2s[4]
+    if bad.get("maps") == "int64":
+        t2s = t2s.long()
+    if "gate_shape" in bad:
+        gate = gate[:, :39]
+    with pytest.raises(exc, match=match):
+        ops.vsa_combine_rows(fine, coarse, gate, t2s, s2t, 64, bad.get("first", 0))
