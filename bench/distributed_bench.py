@@ -11,12 +11,19 @@ Default shape: Wan2.1-14B at 720p, B=1, H=40, D=128, latent grid 21x45x80 -> 75,
 a gate), forward and backward.
 
 time(1 GPU): rank 0 runs the layer on the whole sequence and all heads, alone (a one-rank
-process group, so no collective; rank 1 waits). time(2 GPUs): both ranks run the layer on
+process group, so no collective; rank 1 waits); rank 1's GPU is timed alone the same way
+after it and reported beside (efficiency_mean_1gpu uses the mean of the two). time(2 GPUs): both ranks run the layer on
 their shards (all-to-all, attention on H/2 heads, reverse all-to-all); the slower rank's time
 counts. efficiency = time(1 GPU) / (2 x time(2 GPUs)): 1.0 is perfect scaling (target >=
 0.90). Forward is timed under no_grad; backward is the backward pass alone (the forward
 before it is not in the time). Times are medians of CUDA-event timings over --iters after
 --warmup (targets.md: median).
+
+NCCL runs on high-priority CUDA streams (--comm-priority high, the default: the setup the
+layer's docstring recommends): the GPU then schedules the all-to-all's CTAs as soon as SMs
+free up instead of after every waiting CTA of the attention kernel, which is what lets the
+VSA pipeline overlap its transfers. --comm-priority default, or a --nccl-groups entry
+'high_priority=0', measures the plain streams.
 
 --check first verifies, at the benchmark shape, that the 2-GPU output shard and the gradients
 of q, k, v (and gate) equal the 1-GPU ones (max abs difference reported, must be within
@@ -61,12 +68,15 @@ def parse_args(argv):
                         "2 GPUs (default: the layer's default)")
     p.add_argument("--nccl-groups", default="",
                    help="';'-separated NCCL communicator options for the 2-GPU layer's group, "
-                        "each 'default' or 'key=value,...' over max_ctas, min_ctas, cta_policy "
+                        "each 'default' or 'key=value,...' over max_ctas, min_ctas, cta_policy, "
+                        "high_priority "
                         "(e.g. 'default;max_ctas=8'); every case and direction is timed with "
                         "each (default: the world group only)")
     p.add_argument("--trace", default=None,
                    help="also write a torch.profiler (kineto) Chrome trace of 3 2-GPU steps of "
                         "each case and direction to TRACE.<case>-<dir>.rank<r>.json")
+    p.add_argument("--comm-priority", default="high", choices=["high", "default"],
+                   help="CUDA stream priority of the world group's NCCL collectives")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--check", action="store_true",
@@ -81,13 +91,17 @@ def parse_args(argv):
 
 def nccl_group(spec: str):
     """None (the world group) or a new NCCL group of both ranks with the communicator options
-    in spec ('max_ctas=8,cta_policy=1')."""
+    in spec ('max_ctas=8,cta_policy=1'; 'high_priority=1' puts its collectives on a
+    high-priority stream, whose CTAs the GPU schedules ahead of a running kernel's)."""
     if spec == "default" or not dist.is_nccl_available():
         return None
     opts = dist.ProcessGroupNCCL.Options()
     for item in spec.split(","):
         key, value = item.split("=")
-        setattr(opts.config, key.strip(), int(value))
+        if key.strip() == "high_priority":  # NCCL's stream: high priority (a torch option)
+            opts.is_high_priority_stream = bool(int(value))
+        else:
+            setattr(opts.config, key.strip(), int(value))
     return dist.new_group(backend="nccl", pg_options=opts)
 
 
@@ -115,8 +129,8 @@ class Bench:
         if self.tokens % self.world or args.heads % self.world:
             raise SystemExit("tokens and heads must be divisible by 2 for this benchmark")
         # Every rank creates every group; the one-rank group gives the 1-GPU layer (no collective).
-        self.solo = dist.new_group([0])
-        dist.new_group([1])
+        solo = [dist.new_group([0]), dist.new_group([1])]
+        self.solo = solo[self.rank]
         # 2-GPU groups with NCCL communicator options (--nccl-groups), made by every rank.
         self.nccl_groups = {spec: nccl_group(spec) for spec in args.nccl_groups.split(";") if spec}
         gen = torch.Generator().manual_seed(0)
@@ -228,11 +242,16 @@ class Bench:
         dist.barrier()
 
     def measure(self, case, direction):
-        """One row per 2-GPU configuration, all against one 1-GPU time."""
-        one_gpu = None
-        if self.rank == 0:
-            one_gpu = self.time_ms(case, direction, sharded=False, group=self.solo)
-        dist.barrier()
+        """One row per 2-GPU configuration, all against one 1-GPU time: rank 0's GPU alone
+        (the efficiency), and also rank 1's GPU alone, timed after it (two GPUs of one
+        host differ by a few percent, and the slower one sets the 2-GPU pace)."""
+        solo = torch.zeros(2, dtype=torch.float64, device=self.device)
+        for r in range(2):
+            if self.rank == r:
+                solo[r] = self.time_ms(case, direction, sharded=False, group=self.solo)
+            dist.barrier()
+        dist.all_reduce(solo)
+        one_gpu, by_gpu = solo[0].item(), solo.tolist()
         rows = []
         for config in self.configs(case):
             two_gpu = torch.tensor(
@@ -242,8 +261,9 @@ class Bench:
             dist.barrier()
             t2 = two_gpu.item()
             rows.append({"case": case, "direction": direction, "layer_config": config,
-                         "time_1gpu_ms": one_gpu, "time_2gpu_ms": t2,
-                         "efficiency": None if one_gpu is None else one_gpu / (2 * t2)})
+                         "time_1gpu_ms": one_gpu, "time_1gpu_ms_by_gpu": by_gpu,
+                         "time_2gpu_ms": t2, "efficiency": one_gpu / (2 * t2),
+                         "efficiency_mean_1gpu": sum(by_gpu) / 2 / (2 * t2)})
         return rows if self.rank == 0 else []
 
     def unsupported(self, case):
@@ -306,12 +326,18 @@ class Bench:
 def main(argv=None):
     args = parse_args(sys.argv[1:] if argv is None else argv)
     backend = "nccl" if args.device == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30))
+    options = None
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = args.comm_priority == "high"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30),
+                            pg_options=options)
     try:
         bench = Bench(args)
         cases = [c for c in args.cases.split(",") if c]
         directions = [d for d in args.directions.split(",") if d]
-        report = {"shape": {"batch": args.batch, "grid": bench.grid, "tokens": bench.tokens,
+        report = {"comm_priority": args.comm_priority,
+                  "shape": {"batch": args.batch, "grid": bench.grid, "tokens": bench.tokens,
                             "heads": args.heads, "head_dim": args.head_dim, "dtype": args.dtype,
                             "rope": not args.no_rope, "vsa_sparsity": args.sparsity,
                             "vsa_tile": args.tile},
@@ -335,8 +361,11 @@ def main(argv=None):
                 for row in bench.measure(case, direction):
                     report["rows"].append(row)
                     print(f"{case:6s} {direction} {row['layer_config'] or ''}: 1 GPU "
-                          f"{row['time_1gpu_ms']:9.2f} ms   2 GPUs {row['time_2gpu_ms']:9.2f} ms"
-                          f"   efficiency {row['efficiency']:.3f}", flush=True)
+                          f"{row['time_1gpu_ms']:9.2f} ms (GPU 1 alone "
+                          f"{row['time_1gpu_ms_by_gpu'][1]:.2f})   2 GPUs "
+                          f"{row['time_2gpu_ms']:9.2f} ms   efficiency {row['efficiency']:.3f} "
+                          f"(against the mean 1-GPU time {row['efficiency_mean_1gpu']:.3f})",
+                          flush=True)
         if bench.rank == 0:
             try:
                 from vidattn.bench.environment import metadata

@@ -59,6 +59,14 @@ def main() -> None:
     xs = [x.detach().requires_grad_() for x in (q, k, v, gate)]
     out = vidattn.video_sparse_attention(*xs[:3], tiling=t, sparsity=0.75, gate=xs[3])
     results += [out] + list(torch.autograd.grad(out, xs, torch.ones_like(out)))
+    # The combination on a run of raster rows that ends in padding rows (the
+    # sequence-parallel layer's), float32 coarse with bf16 rows, forward and backward.
+    fine, row_gate = (rnd(1, 200, 2, 64).detach().requires_grad_() for _ in range(2))
+    coarse = torch.randn(1, t.num_tiles, 2, 64, generator=g, device="cuda").requires_grad_()
+    rows = torch.ops.vidattn.vsa_combine_rows(fine, coarse, row_gate, t.token_to_slot,
+                                              t.slot_to_token, 64, t.num_tokens - 150)
+    results += [rows] + list(torch.autograd.grad(rows, (fine, coarse, row_gate),
+                                                 torch.ones_like(rows)))
     torch.cuda.synchronize()
     bad = [i for i, t in enumerate(results) if not torch.isfinite(t).all()]
     print("cuda_smoke: tensors", len(results), "non-finite", bad)

@@ -263,44 +263,70 @@ def _check_vsa_args(q, k, v, tiling, kv_tiling, topk, sparsity):
         raise ValueError(f"video_sparse_attention: packed tilings need batch 1, got B = {q.shape[0]}")
     if (topk is None) == (sparsity is None):
         raise ValueError("video_sparse_attention: pass exactly one of topk and sparsity")
+    return kv_tiling, _resolve_topk(topk, sparsity, kv_tiling)
+
+
+def _resolve_topk(topk, sparsity, kv_tiling: VideoTiling) -> int:
+    """The selection's MaxK: topk, or from the sparsity the largest per-video count (the
+    kernel picks each video's own)."""
     if topk is not None:
         topk = int(topk)
         if topk < 1:
             raise ValueError(f"video_sparse_attention: topk must be >= 1, got {topk}")
-    else:
-        # MaxK of the selection: the largest per-video count (the kernel picks each video's own).
-        topk = topk_from_sparsity(sparsity, kv_tiling.max_tiles_per_video)
-    return kv_tiling, topk
+        return topk
+    return topk_from_sparsity(sparsity, kv_tiling.max_tiles_per_video)
 
 
 def _vsa_branches(q, k, v, tiling: VideoTiling, kv_tiling: VideoTiling, topk: int, sparsity,
                   scale, sm_margin: int):
     """video_sparse_attention before its combination, on arguments checked by
     _check_vsa_args: the fine output ``o_s`` (tiled like q), the coarse output ``o_c``
-    ``[B, Tiles, H, Dv]`` and the selection ``(q2k_index, q2k_count)``. The sequence-parallel
-    layer combines them itself, on the rows each rank holds."""
-    volume = tiling.tile_volume
-    q_c = _ops.tile_mean_pool(q, tiling.block_sizes, volume)
-    k_c = _ops.tile_mean_pool(k, kv_tiling.block_sizes, volume)
-    v_c = _ops.tile_mean_pool(v, kv_tiling.block_sizes, volume)
+    ``[B, Tiles, H, Dv]`` and the selection ``(q2k_index, q2k_count)``. The stages are
+    separate functions because the sequence-parallel layer runs them as its inputs arrive
+    and combines the branches itself, on the rows each rank holds."""
+    q_c, k_c, v_c = (_vsa_pool(x, t) for x, t in ((q, tiling), (k, kv_tiling), (v, kv_tiling)))
+    o_c = _vsa_coarse(q_c, k_c, v_c, tiling, kv_tiling, scale)
+    selection = _vsa_select(q_c, k_c, tiling, kv_tiling, topk, sparsity, scale)
+    o_s = _vsa_fine(q, k, v, selection, tiling, kv_tiling, scale, sm_margin)
+    return o_s, o_c, selection
+
+
+def _vsa_pool(x, tiling: VideoTiling):
+    """Tile means [B, Tiles, H, D] of a tiled tensor."""
+    return _ops.tile_mean_pool(x, tiling.block_sizes, tiling.tile_volume)
+
+
+def _vsa_coarse(q_c, k_c, v_c, tiling: VideoTiling, kv_tiling: VideoTiling, scale):
+    """The coarse branch: dense attention over the tile means (per video when packed)."""
     if tiling.packed:
         o_c, _ = _ops.attention_varlen(
             q_c[0], k_c[0], v_c[0], tiling.cu_tiles, kv_tiling.cu_tiles,
             tiling.max_tiles_per_video, kv_tiling.max_tiles_per_video, scale=scale)
-        o_c = o_c.unsqueeze(0)
-        cu_q, cu_k = tiling.cu_tiles, kv_tiling.cu_tiles
-    else:
-        o_c, _ = _ops.attention(q_c, k_c, v_c, scale=scale)
-        cu_q = cu_k = None
-    q2k_index, q2k_count = _ops.topk_tiles(
+        return o_c.unsqueeze(0)
+    o_c, _ = _ops.attention(q_c, k_c, v_c, scale=scale)
+    return o_c
+
+
+def _vsa_select(q_c, k_c, tiling: VideoTiling, kv_tiling: VideoTiling, topk: int, sparsity,
+                scale):
+    """The top-k key tiles of every query tile by coarse score: ``(q2k_index, q2k_count)``
+    (needs q's and k's tile means only)."""
+    cu_q, cu_k = (tiling.cu_tiles, kv_tiling.cu_tiles) if tiling.packed else (None, None)
+    return _ops.topk_tiles(
         q_c.detach(), k_c.detach(), topk, sparsity=None if sparsity is None else float(sparsity),
         scale=scale, cu_tiles_q=cu_q, cu_tiles_k=cu_k)
+
+
+def _vsa_fine(q, k, v, selection, tiling: VideoTiling, kv_tiling: VideoTiling, scale,
+              sm_margin: int):
+    """The fine branch: block-sparse attention over the selected key tiles."""
+    q2k_index, q2k_count = selection
     o_s, _ = _ops.block_sparse_attention(
-        q, k, v, q2k_index, q2k_count, tile_volume=volume, q_block_sizes=tiling.block_sizes,
-        kv_block_sizes=kv_tiling.block_sizes, scale=scale,
-        validate_index=False,  # built by topk_tiles just above: valid by construction
+        q, k, v, q2k_index, q2k_count, tile_volume=tiling.tile_volume,
+        q_block_sizes=tiling.block_sizes, kv_block_sizes=kv_tiling.block_sizes, scale=scale,
+        validate_index=False,  # built by topk_tiles: valid by construction
         sm_margin=int(sm_margin))
-    return o_s, o_c, (q2k_index, q2k_count)
+    return o_s
 
 
 def pack_videos(xs: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -108,6 +108,10 @@ def _run_sharded(case, module, world, rank, group=None):
         kwargs["gate"] = shards["gate"]
     result = module(shards["q"], shards["k"], shards["v"], **kwargs)
     out, text_out = result if text is not None else (result, None)
+    # Inference (no autograd) takes other copy paths in the VSA pipeline: the same output.
+    with torch.no_grad():
+        again = module(shards["q"], shards["k"], shards["v"], **kwargs)
+    assert torch.equal(again if text is None else again[0], out.detach())
     loss = (out * case["grad_out"][:, rows]).sum()
     if text_out is not None:
         loss = loss + (text_out * case["grad_text"]).sum() / world
