@@ -367,3 +367,27 @@ def test_cuda_opcheck_and_empty():
     assert vidattn.apply_rope(empty, cos, sin).shape == empty.shape
     with pytest.raises(ValueError, match="argument 'cos' must be on cuda:0 like x, got cpu"):
         vidattn.apply_rope(x, cos.cpu(), sin.cpu())
+
+
+@needs_cuda
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("full", [False, True])
+def test_cuda_vector_path_gradient(interleaved, full):
+    """The 16-byte path's transposed rotation (the backward of 16-bit x, a head slice as in
+    the sequence-parallel layer) against the float64 gradient."""
+    gen = _gen(3300 + interleaved * 2 + full)
+    b, s, h, d = 2, 29, 3, 128
+    wide = torch.randn(b, s, 2 * h, d, generator=gen).to(torch.bfloat16)
+    x = wide.cuda()[:, :, h:].requires_grad_(True)
+    grad_out = (torch.randn(b, s, h, d, generator=gen) * 4).to(torch.bfloat16)
+    cos, sin = _tables(s, d, full, interleaved, gen, distinct=full)
+    vidattn.apply_rope(x, cos.cuda(), sin.cuda(), interleaved=interleaved).backward(
+        grad_out.cuda())
+    x64 = x.detach().cpu().double().requires_grad_(True)
+    rope_reference(x64, cos.double(), sin.double(), interleaved).backward(grad_out.double())
+    xl = x.detach().cpu().clone().requires_grad_(True)
+    rope_reference(xl, cos, sin, interleaved).backward(grad_out)  # torch in bf16
+    torch_err = (xl.grad.double() - x64.grad).abs().max().item()
+    err = (x.grad.cpu().double() - x64.grad).abs().max().item()
+    assert not x.grad.isnan().any()
+    assert err <= 2 * torch_err + 1e-6 * max(1.0, x64.grad.abs().max().item()), (err, torch_err)
