@@ -1,8 +1,7 @@
 // CUDA RoPE. Memory bound; the math is in float (double for float64 x), like the CPU kernel.
 //  * 16-bit x with 16-byte aligned rows and heads (the usual case): one thread per 16-byte
-//    unit (4 interleaved pairs, or 8 first-half elements with their 8 partners of the second
-//    half) of a (batch, position) and all its heads (interleaved) or one head (halves),
-//    16-byte loads and stores, the table values loaded once per thread.
+//    unit of a head (4 interleaved pairs, or 8 first-half elements with their 8 partners of
+//    the second half), 16-byte loads and stores, 32-bit index math.
 //  * anything else: one thread per (batch, position, head, pair), grid-stride.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -65,95 +64,74 @@ struct alignas(16) Vec8 {
   X v[8];
 };
 
-// The 16-byte path (see the file comment); x and out are 2-byte types, float math. A thread
-// owns unit u of one (batch, position) and `heads_per_thread` heads: the table values of a
-// position and column do not depend on the head, so they are loaded (and the index math
-// done) once per thread. Walking all heads paid for interleaved pairs (0.645 -> 0.434 ms at
-// [1, 75600, 40, 128] on an H200) but not for NeoX halves (0.452 -> 0.504: two 16-byte
-// loads per head and 32 table values per thread), which keep one head per thread. Unit u:
-// interleaved, columns [8u, 8u + 8) (pairs 4u .. 4u + 3); halves, columns [8u, 8u + 8) and
-// their partners [8u + D/2, 8u + D/2 + 8).
+// The 16-byte path (see the file comment); x and out are 2-byte types, float math. Unit u of
+// a head: interleaved, columns [8u, 8u + 8) (pairs 4u .. 4u + 3); halves, columns [8u, 8u + 8)
+// and their partners [8u + D/2, 8u + D/2 + 8).
 template <class X, class C>
 __global__ void rope_vec_kernel(RopeLaunchParams p, std::uint32_t units_per_head,
-                                std::uint32_t heads_per_thread, std::uint32_t total) {
+                                std::uint32_t total) {
   const std::uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
-  const std::uint32_t head_groups = (std::uint32_t(p.heads) + heads_per_thread - 1) /
-                                    heads_per_thread;
   const std::uint32_t u = i % units_per_head;
   std::uint32_t t = i / units_per_head;
-  const std::uint32_t h_begin = t % head_groups * heads_per_thread;
-  t /= head_groups;
-  const std::uint32_t h_end = min(h_begin + heads_per_thread, std::uint32_t(p.heads));
+  const std::uint32_t h = t % std::uint32_t(p.heads);
+  t /= std::uint32_t(p.heads);
   const std::uint32_t s = t % std::uint32_t(p.seqlen), b = t / std::uint32_t(p.seqlen);
+  const auto* x = static_cast<const X*>(p.x) + b * p.x_stride[0] + s * p.x_stride[1] +
+                  h * p.x_stride[2];
+  auto* out = static_cast<X*>(p.out) + b * p.out_stride[0] + s * p.out_stride[1] +
+              h * p.out_stride[2];
   const C* c_row = static_cast<const C*>(p.cos) + s * p.cos_stride[0];
   const C* s_row = static_cast<const C*>(p.sin) + s * p.sin_stride[0];
   auto table = [&](const C* row, std::int64_t stride, std::int64_t col) {
     return Io<C>::template load<float>(row[col * stride]);
   };
-  const int half = int(p.head_dim / 2);
+  const std::int64_t half = p.head_dim / 2;
   const int col0 = 8 * int(u);
-  // cos / sin at the 'a' element and at its partner 'b' of each of the unit's 8 (halves) or
-  // 4 (interleaved) pairs.
-  float ca[8], sa[8], cb[8], sb[8];
-  const int pairs = p.interleaved ? 4 : 8;
+  if (p.interleaved) {
+    const Vec8<X> in = *reinterpret_cast<const Vec8<X>*>(x + col0);
+    Vec8<X> res;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    if (j >= pairs) break;
-    const int ia = p.interleaved ? col0 + 2 * j : col0 + j;
-    const int ib = p.interleaved ? ia + 1 : ia + half;
-    const int ja = p.half_table ? (p.interleaved ? ia / 2 : ia) : ia;
-    const int jb = p.half_table ? ja : ib;
-    ca[j] = table(c_row, p.cos_stride[1], ja);
-    sa[j] = table(s_row, p.sin_stride[1], ja);
-    cb[j] = table(c_row, p.cos_stride[1], jb);
-    sb[j] = table(s_row, p.sin_stride[1], jb);
-  }
-  auto rotate = [&](float xa, float xb, int j, float& ya, float& yb) {
-    ya = p.transpose ? xa * ca[j] + xb * sb[j] : xa * ca[j] - xb * sa[j];
-    yb = p.transpose ? xb * cb[j] - xa * sa[j] : xb * cb[j] + xa * sb[j];
-  };
-  const auto* x = static_cast<const X*>(p.x) + b * p.x_stride[0] + s * p.x_stride[1] + col0;
-  auto* out = static_cast<X*>(p.out) + b * p.out_stride[0] + s * p.out_stride[1] + col0;
-#pragma unroll 2
-  for (std::int64_t h = h_begin; h < h_end; ++h) {
-    const X* xh = x + h * p.x_stride[2];
-    X* oh = out + h * p.out_stride[2];
-    if (p.interleaved) {
-      const Vec8<X> in = *reinterpret_cast<const Vec8<X>*>(xh);
-      Vec8<X> res;
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float ya, yb;
-        rotate(Io<X>::template load<float>(in.v[2 * j]),
-               Io<X>::template load<float>(in.v[2 * j + 1]), j, ya, yb);
-        res.v[2 * j] = Io<X>::template store<float>(ya);
-        res.v[2 * j + 1] = Io<X>::template store<float>(yb);
-      }
-      *reinterpret_cast<Vec8<X>*>(oh) = res;
-    } else {
-      const Vec8<X> in_a = *reinterpret_cast<const Vec8<X>*>(xh);
-      const Vec8<X> in_b = *reinterpret_cast<const Vec8<X>*>(xh + half);
-      Vec8<X> res_a, res_b;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        float ya, yb;
-        rotate(Io<X>::template load<float>(in_a.v[j]), Io<X>::template load<float>(in_b.v[j]),
-               j, ya, yb);
-        res_a.v[j] = Io<X>::template store<float>(ya);
-        res_b.v[j] = Io<X>::template store<float>(yb);
-      }
-      *reinterpret_cast<Vec8<X>*>(oh) = res_a;
-      *reinterpret_cast<Vec8<X>*>(oh + half) = res_b;
+    for (int j = 0; j < 4; ++j) {
+      const int ia = col0 + 2 * j, ib = ia + 1;
+      const int ja = p.half_table ? ia / 2 : ia, jb = p.half_table ? ia / 2 : ib;
+      const float ca = table(c_row, p.cos_stride[1], ja), sa = table(s_row, p.sin_stride[1], ja);
+      const float cb = table(c_row, p.cos_stride[1], jb), sb = table(s_row, p.sin_stride[1], jb);
+      const float xa = Io<X>::template load<float>(in.v[2 * j]);
+      const float xb = Io<X>::template load<float>(in.v[2 * j + 1]);
+      const float ya = p.transpose ? xa * ca + xb * sb : xa * ca - xb * sa;
+      const float yb = p.transpose ? xb * cb - xa * sa : xb * cb + xa * sb;
+      res.v[2 * j] = Io<X>::template store<float>(ya);
+      res.v[2 * j + 1] = Io<X>::template store<float>(yb);
     }
+    *reinterpret_cast<Vec8<X>*>(out + col0) = res;
+  } else {
+    const Vec8<X> in_a = *reinterpret_cast<const Vec8<X>*>(x + col0);
+    const Vec8<X> in_b = *reinterpret_cast<const Vec8<X>*>(x + col0 + half);
+    Vec8<X> res_a, res_b;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const std::int64_t k = col0 + j;
+      const std::int64_t ja = k, jb = p.half_table ? k : k + half;
+      const float ca = table(c_row, p.cos_stride[1], ja), sa = table(s_row, p.sin_stride[1], ja);
+      const float cb = table(c_row, p.cos_stride[1], jb), sb = table(s_row, p.sin_stride[1], jb);
+      const float xa = Io<X>::template load<float>(in_a.v[j]);
+      const float xb = Io<X>::template load<float>(in_b.v[j]);
+      res_a.v[j] = Io<X>::template store<float>(p.transpose ? xa * ca + xb * sb
+                                                            : xa * ca - xb * sa);
+      res_b.v[j] = Io<X>::template store<float>(p.transpose ? xb * cb - xa * sa
+                                                            : xb * cb + xa * sb);
+    }
+    *reinterpret_cast<Vec8<X>*>(out + col0) = res_a;
+    *reinterpret_cast<Vec8<X>*>(out + col0 + half) = res_b;
   }
 }
 
 // Whether the 16-byte path applies: 2-byte x, rows and heads of x and out 16-byte aligned,
-// whole units per head, and a thread count that 32-bit indices cover.
+// whole units per head, and a unit count that 32-bit indices cover.
 template <class X>
 bool vector_path(const RopeLaunchParams& p, std::uint32_t* units_per_head,
-                 std::uint32_t* heads_per_thread, std::uint32_t* total) {
+                 std::uint32_t* total) {
   if constexpr (sizeof(X) != 2) return false;
   if (p.head_dim % 16 != 0) return false;
   for (int d = 0; d < 3; ++d)
@@ -162,12 +140,9 @@ bool vector_path(const RopeLaunchParams& p, std::uint32_t* units_per_head,
       reinterpret_cast<std::uintptr_t>(p.out) % 16 != 0)
     return false;
   const std::int64_t per_head = p.interleaved ? p.head_dim / 8 : p.head_dim / 16;
-  const std::int64_t per_thread = p.interleaved ? p.heads : 1;
-  if (per_thread < 1) return false;
-  const std::int64_t n = p.batch * p.seqlen * per_head * ((p.heads + per_thread - 1) / per_thread);
+  const std::int64_t n = p.batch * p.seqlen * p.heads * per_head;
   if (n >= (std::int64_t(1) << 31)) return false;
   *units_per_head = std::uint32_t(per_head);
-  *heads_per_thread = std::uint32_t(per_thread);
   *total = std::uint32_t(n);
   return true;
 }
@@ -176,10 +151,10 @@ template <class X, class C>
 void launch_typed(const RopeLaunchParams& p, cudaStream_t stream) {
   using Acc = typename std::conditional<std::is_same<X, double>::value, double, float>::type;
   constexpr int kThreads = 256;
-  std::uint32_t units_per_head = 0, heads_per_thread = 0, threads = 0;
-  if (vector_path<X>(p, &units_per_head, &heads_per_thread, &threads)) {
-    rope_vec_kernel<X, C><<<(threads + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
-        p, units_per_head, heads_per_thread, threads);
+  std::uint32_t units_per_head = 0, units = 0;
+  if (vector_path<X>(p, &units_per_head, &units)) {
+    rope_vec_kernel<X, C><<<(units + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+        p, units_per_head, units);
     return;
   }
   const std::int64_t total = p.batch * p.seqlen * p.heads * (p.head_dim / 2);
