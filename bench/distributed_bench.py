@@ -12,7 +12,10 @@ a gate), forward and backward.
 
 time(1 GPU): rank 0 runs the layer on the whole sequence and all heads, alone (a one-rank
 process group, so no collective; rank 1 waits); rank 1's GPU is timed alone the same way
-after it and reported beside (efficiency_mean_1gpu uses the mean of the two). time(2 GPUs): both ranks run the layer on
+after it and reported beside (efficiency_mean_1gpu uses the mean of the two). --rounds N
+repeats the 1-GPU and 2-GPU timings N times, alternating, and reports medians over the
+rounds: on 2x H200 medians of one configuration moved by up to 0.06 in efficiency within one
+run. time(2 GPUs): both ranks run the layer on
 their shards (all-to-all, attention on H/2 heads, reverse all-to-all); the slower rank's time
 counts. efficiency = time(1 GPU) / (2 x time(2 GPUs)): 1.0 is perfect scaling (target >=
 0.90). Forward is timed under no_grad; backward is the backward pass alone (the forward
@@ -77,6 +80,9 @@ def parse_args(argv):
                         "each case and direction to TRACE.<case>-<dir>.rank<r>.json")
     p.add_argument("--comm-priority", default="default", choices=["high", "default"],
                    help="CUDA stream priority of the world group's NCCL collectives")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat the 1-GPU and 2-GPU timings this many times, alternating, and "
+                        "report the medians (and every round)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--check", action="store_true",
@@ -242,28 +248,40 @@ class Bench:
         dist.barrier()
 
     def measure(self, case, direction):
-        """One row per 2-GPU configuration, all against one 1-GPU time: rank 0's GPU alone
-        (the efficiency), and also rank 1's GPU alone, timed after it (two GPUs of one
-        host differ by a few percent, and the slower one sets the 2-GPU pace)."""
-        solo = torch.zeros(2, dtype=torch.float64, device=self.device)
-        for r in range(2):
-            if self.rank == r:
-                solo[r] = self.time_ms(case, direction, sharded=False, group=self.solo)
-            dist.barrier()
-        dist.all_reduce(solo)
-        one_gpu, by_gpu = solo[0].item(), solo.tolist()
+        """One row per 2-GPU configuration. Each of --rounds rounds times rank 0's GPU alone,
+        rank 1's GPU alone (two GPUs of one host differ by a few percent, and the slower
+        one sets the 2-GPU pace), then every 2-GPU configuration; a row's times are the
+        medians over the rounds (each round's are kept), so that drift over a run (the GPUs
+        warming up) does not favour whatever was timed first."""
+        configs = self.configs(case)
+        solo_rounds, pair_rounds = [], [[] for _ in configs]
+        for _ in range(self.args.rounds):
+            solo = torch.zeros(2, dtype=torch.float64, device=self.device)
+            for r in range(2):
+                if self.rank == r:
+                    solo[r] = self.time_ms(case, direction, sharded=False, group=self.solo)
+                dist.barrier()
+            dist.all_reduce(solo)
+            solo_rounds.append(solo.tolist())
+            for times, config in zip(pair_rounds, configs):
+                two_gpu = torch.tensor(
+                    [self.time_ms(case, direction, sharded=True, group=None, config=config)],
+                    dtype=torch.float64, device=self.device)
+                dist.all_reduce(two_gpu, op=dist.ReduceOp.MAX)  # the slower rank sets the pace
+                dist.barrier()
+                times.append(two_gpu.item())
+        by_gpu = [statistics.median(r[i] for r in solo_rounds) for i in range(2)]
+        one_gpu = by_gpu[0]
         rows = []
-        for config in self.configs(case):
-            two_gpu = torch.tensor(
-                [self.time_ms(case, direction, sharded=True, group=None, config=config)],
-                dtype=torch.float64, device=self.device)
-            dist.all_reduce(two_gpu, op=dist.ReduceOp.MAX)  # the slower rank sets the pace
-            dist.barrier()
-            t2 = two_gpu.item()
+        for config, times in zip(configs, pair_rounds):
+            t2 = statistics.median(times)
             rows.append({"case": case, "direction": direction, "layer_config": config,
                          "time_1gpu_ms": one_gpu, "time_1gpu_ms_by_gpu": by_gpu,
                          "time_2gpu_ms": t2, "efficiency": one_gpu / (2 * t2),
-                         "efficiency_mean_1gpu": sum(by_gpu) / 2 / (2 * t2)})
+                         "efficiency_mean_1gpu": sum(by_gpu) / 2 / (2 * t2),
+                         "rounds": {"time_1gpu_ms_by_gpu": solo_rounds, "time_2gpu_ms": times,
+                                    "efficiency": [s[0] / (2 * t) for s, t in
+                                                   zip(solo_rounds, times)]}})
         return rows if self.rank == 0 else []
 
     def unsupported(self, case):
@@ -364,8 +382,9 @@ def main(argv=None):
                           f"{row['time_1gpu_ms']:9.2f} ms (GPU 1 alone "
                           f"{row['time_1gpu_ms_by_gpu'][1]:.2f})   2 GPUs "
                           f"{row['time_2gpu_ms']:9.2f} ms   efficiency {row['efficiency']:.3f} "
-                          f"(against the mean 1-GPU time {row['efficiency_mean_1gpu']:.3f})",
-                          flush=True)
+                          f"(against the mean 1-GPU time {row['efficiency_mean_1gpu']:.3f})"
+                          + (f"; rounds {', '.join(f'{e:.3f}' for e in row['rounds']['efficiency'])}"
+                             if args.rounds > 1 else ""), flush=True)
         if bench.rank == 0:
             try:
                 from vidattn.bench.environment import metadata
