@@ -404,17 +404,24 @@ class DistributedAttention(torch.nn.Module):
                                           ranges)
         h_local = sharded[0].shape[2] // world
         # Every chunk's all-to-all is issued up front: NCCL runs them in order while the
-        # compute stream works on the chunks already received.
+        # compute stream works on the chunks already received. The packing, unpacking and
+        # placing copies go through _copy_rows (16-byte words where autograd is off).
         pending, widths = [], []
         for h0, h1 in ranges:
             parts = [_head_slice(x, world, h_local, h0, h1).permute(2, 0, 1, 3, 4).flatten(-2)
                      for x in sharded]  # [world (destination), B, S_local, hc * D]
             widths.append([part.shape[-1] for part in parts])
-            pending.append(_all_to_all_start(torch.cat(parts, dim=-1), world, group))
+            send = parts[0].new_empty(world, b, s_local, sum(widths[-1]))
+            offset = 0
+            for part in parts:  # (slices, not split: autograd lets slices be written)
+                _copy_rows(send[..., offset:offset + part.shape[-1]], part)
+                offset += part.shape[-1]
+            pending.append(_all_to_all_start(send, world, group))
         returning, gathered = [], []
         for c in range(len(ranges)):
             recv = torch.ops._c10d_functional.wait_tensor(pending[c])
-            full = recv.permute(1, 0, 2, 3).reshape(b, world * s_local, sum(widths[c]))
+            full = _copy_rows(recv.new_empty(b, world, s_local, recv.shape[-1]),
+                              recv.permute(1, 0, 2, 3)).view(b, world * s_local, -1)
             q, k, v = [chunk.unflatten(-1, (-1, x.shape[3]))[:, :seq_len]
                        for chunk, x in zip(torch.split(full, widths[c], dim=-1), sharded)]
             if cos is not None:
@@ -424,13 +431,19 @@ class DistributedAttention(torch.nn.Module):
                                            group)
             gathered.append(coarse)
             hc, dv = fine.shape[2], fine.shape[3]
-            send = fine.reshape(b, world, s_local, hc * dv).permute(1, 0, 2, 3).contiguous()
+            send = _copy_rows(fine.new_empty(world, b, s_local, hc * dv),
+                              fine.reshape(b, world, s_local, hc * dv).permute(1, 0, 2, 3))
             returning.append(_all_to_all_start(send, world, group))
-        # [world (head group), B, S_local, hc * Dv] per chunk -> [B, S_local, world, hc, Dv].
-        back = [torch.ops._c10d_functional.wait_tensor(r).permute(1, 2, 0, 3)
-                .unflatten(-1, (h1 - h0, -1)) for r, (h0, h1) in zip(returning, ranges)]
-        fine = torch.cat(back, dim=3)
-        fine = fine.reshape(b, s_local, world * h_local, fine.shape[-1])
+        # [world (head group), B, S_local, hc * Dv] per chunk -> [B, S_local, world, hc, Dv],
+        # placed at the chunk's heads of every head group.
+        fine = None
+        for r, (h0, h1) in zip(returning, ranges):
+            back = torch.ops._c10d_functional.wait_tensor(r).permute(1, 2, 0, 3)
+            back = back.unflatten(-1, (h1 - h0, -1))
+            if fine is None:
+                fine = back.new_empty(b, s_local, world, h_local, back.shape[-1])
+            _copy_rows(fine[:, :, :, h0:h1], back)
+        fine = fine.view(b, s_local, world * h_local, fine.shape[-1])
         return fine, self._gathered_coarse(gathered, world)
 
     def _vsa_pipelined_b1(self, sharded, world: int, group, seq_len: int, padded: int, cos,

@@ -307,7 +307,14 @@ def _subgroup_parity(rank, world):
 
 
 def _compile_vsa_check(rank, world):
-    """The VSA layer (tiling, gate, RoPE, padding) under fullgraph compile."""
+    """The VSA layer (tiling, gate, RoPE, padding) under fullgraph compile, on both pipeline
+    paths (B = 1 and B = 2)."""
+    for batch in (1, 2):
+        _compile_vsa_case(rank, world, batch)
+        torch._dynamo.reset()
+
+
+def _compile_vsa_case(rank, world, batch):
     gen = torch.Generator().manual_seed(8)
     grid = (3, 5, 9)  # 135 tokens: padded to a multiple of the world size
     tokens = grid[0] * grid[1] * grid[2]
@@ -315,7 +322,7 @@ def _compile_vsa_check(rank, world):
     h, d = 4, 16
     theta = torch.rand(tokens, d // 2, generator=gen)
     cos, sin = theta.cos(), theta.sin()
-    full = [torch.randn(1, world * s_local, h, d, generator=gen) for _ in range(4)]
+    full = [torch.randn(batch, world * s_local, h, d, generator=gen) for _ in range(4)]
     rows = slice(rank * s_local, (rank + 1) * s_local)
     q, k, v, gate = (t[:, rows].clone().requires_grad_(True) for t in full)
     layer = vidattn.DistributedAttention(
