@@ -21,6 +21,26 @@ using torch::autograd::variable_list;
 
 bool has(const OptTensor& t) { return t && t->defined(); }
 
+// The backward ops of both modes return grad_gate as an empty [0] tensor when there is no
+// gate (op returns cannot be optional).
+Tensor empty_grad_gate(const Tensor& grad_out, const OptTensor& gate) {
+  return has(gate) ? at::empty_like(grad_out, at::MemoryFormat::Contiguous)
+                   : at::empty({0}, grad_out.options());
+}
+
+std::optional<TensorView> grad_gate_view(const Tensor& grad_gate, const OptTensor& gate,
+                                         const char* fn) {
+  return has(gate) ? std::optional<TensorView>(view_of(grad_gate, fn, "grad_gate"))
+                   : std::nullopt;
+}
+
+std::tuple<Tensor, Tensor> backward_meta(const Tensor& grad_out, const Tensor& coarse,
+                                         const OptTensor& gate) {
+  Tensor grad_gate = has(gate) ? at::empty_symint(grad_out.sym_sizes(), grad_out.options())
+                               : at::empty({0}, grad_out.options());
+  return std::make_tuple(at::empty_symint(coarse.sym_sizes(), coarse.options()), grad_gate);
+}
+
 Tensor vsa_combine_kernel(const Tensor& fine, const Tensor& coarse, const OptTensor& gate,
                           const Tensor& block_sizes, int64_t tile_volume) {
   constexpr const char* fn = "vidattn.vsa_combine";
@@ -41,7 +61,6 @@ Tensor vsa_combine_meta(const Tensor& fine, const Tensor&, const OptTensor&, con
   return at::empty_symint(fine.sym_sizes(), fine.options());
 }
 
-// grad_gate is an empty [0] tensor when there is no gate (op returns cannot be optional).
 std::tuple<Tensor, Tensor> vsa_combine_backward_kernel(const Tensor& grad_out,
                                                        const Tensor& coarse,
                                                        const OptTensor& gate,
@@ -53,13 +72,11 @@ std::tuple<Tensor, Tensor> vsa_combine_backward_kernel(const Tensor& grad_out,
   return translate_errors([&] {
     const TensorView gv = view_of(grad_out, fn, "grad_out");
     Tensor grad_coarse = at::empty_like(coarse, at::MemoryFormat::Contiguous);
-    Tensor grad_gate = has(gate) ? at::empty_like(grad_out, at::MemoryFormat::Contiguous)
-                                 : at::empty({0}, grad_out.options());
+    Tensor grad_gate = empty_grad_gate(grad_out, gate);
     vsa_combine_backward(gv, view_of(coarse, fn, "coarse"), view_of(gate, fn, "gate"),
                          view_of(block_sizes, fn, "block_sizes"), tile_volume,
                          view_of(grad_coarse, fn, "grad_coarse"),
-                         has(gate) ? std::optional<TensorView>(view_of(grad_gate, fn, "grad_gate"))
-                                   : std::nullopt,
+                         grad_gate_view(grad_gate, gate, fn),
                          at::get_num_threads(), stream_of(grad_out));
     return std::make_tuple(grad_coarse, grad_gate);
   });
@@ -68,9 +85,7 @@ std::tuple<Tensor, Tensor> vsa_combine_backward_kernel(const Tensor& grad_out,
 std::tuple<Tensor, Tensor> vsa_combine_backward_meta(const Tensor& grad_out,
                                                      const Tensor& coarse, const OptTensor& gate,
                                                      const Tensor&, int64_t) {
-  Tensor grad_gate = has(gate) ? at::empty_symint(grad_out.sym_sizes(), grad_out.options())
-                               : at::empty({0}, grad_out.options());
-  return std::make_tuple(at::empty_symint(coarse.sym_sizes(), coarse.options()), grad_gate);
+  return backward_meta(grad_out, coarse, gate);
 }
 
 class VsaCombineFunction : public torch::autograd::Function<VsaCombineFunction> {
@@ -137,13 +152,12 @@ std::tuple<Tensor, Tensor> vsa_combine_rows_backward_kernel(
   return translate_errors([&] {
     const TensorView gv = view_of(grad_out, fn, "grad_out");
     Tensor grad_coarse = at::empty_like(coarse, at::MemoryFormat::Contiguous);
-    Tensor grad_gate = has(gate) ? at::empty_like(grad_out, at::MemoryFormat::Contiguous)
-                                 : at::empty({0}, grad_out.options());
+    Tensor grad_gate = empty_grad_gate(grad_out, gate);
     vsa_combine_rows_backward(
         gv, view_of(coarse, fn, "coarse"), view_of(gate, fn, "gate"),
         view_of(token_to_slot, fn, "token_to_slot"), view_of(slot_to_token, fn, "slot_to_token"),
         tile_volume, first_token, view_of(grad_coarse, fn, "grad_coarse"),
-        has(gate) ? std::optional<TensorView>(view_of(grad_gate, fn, "grad_gate")) : std::nullopt,
+        grad_gate_view(grad_gate, gate, fn),
         at::get_num_threads(), stream_of(grad_out));
     return std::make_tuple(grad_coarse, grad_gate);
   });
@@ -153,9 +167,7 @@ std::tuple<Tensor, Tensor> vsa_combine_rows_backward_meta(const Tensor& grad_out
                                                           const Tensor& coarse,
                                                           const OptTensor& gate, const Tensor&,
                                                           const Tensor&, int64_t, int64_t) {
-  Tensor grad_gate = has(gate) ? at::empty_symint(grad_out.sym_sizes(), grad_out.options())
-                               : at::empty({0}, grad_out.options());
-  return std::make_tuple(at::empty_symint(coarse.sym_sizes(), coarse.options()), grad_gate);
+  return backward_meta(grad_out, coarse, gate);
 }
 
 class VsaCombineRowsFunction : public torch::autograd::Function<VsaCombineRowsFunction> {

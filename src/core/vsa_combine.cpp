@@ -20,19 +20,46 @@ struct CombineShape {
   std::int64_t batch, tiles, heads, head_dim;
 };
 
+void check_tile_volume(const ArgChecker& check, std::int64_t tile_volume) {
+  if (!is_supported_tile_volume(tile_volume))
+    check.fail("tile volume must be 64, 128 or 256, got ", tile_volume);
+}
+
+void check_float(const ArgChecker& check, const TensorView& rows, const char* rows_name) {
+  if (!detail::is_float_dtype(rows.dtype))
+    detail::throw_type_error(check.function(), ": argument '", rows_name,
+                             "' must be float32, float16, bfloat16 or float64, got ",
+                             dtype_name(rows.dtype));
+}
+
+// What both modes ask of the full-size tensors and of coarse once its shape and dtype are
+// checked: gate like the rows, unit-stride rows, data present.
+void check_rows_gate_coarse(const ArgChecker& check, const TensorView& rows,
+                            const char* rows_name, const TensorView& coarse,
+                            const std::optional<TensorView>& gate, const char* gate_layout) {
+  check.same_device(coarse, "coarse", rows.device);
+  if (gate) {
+    check.shape(*gate, "gate", rows.shape, 4, gate_layout);
+    check.dtype(*gate, "gate", rows.dtype);
+    check.same_device(*gate, "gate", rows.device);
+    check.unit_last_stride(*gate, "gate");
+    check.non_null(*gate, "gate");
+  }
+  check.unit_last_stride(rows, rows_name);
+  check.unit_last_stride(coarse, "coarse");
+  check.non_null(rows, rows_name);
+  check.non_null(coarse, "coarse");
+}
+
 // `slots` is the tiled tensor every full-size argument must match (fine or grad_out);
 // `coarse` is [B, Tiles, H, D]. Checks dtype, device, shapes, strides and data.
 CombineShape check_combine(const ArgChecker& check, const TensorView& slots,
                            const char* slots_name, const TensorView& coarse,
                            const std::optional<TensorView>& gate, const TensorView& block_sizes,
                            std::int64_t tile_volume) {
-  if (!is_supported_tile_volume(tile_volume))
-    check.fail("tile volume must be 64, 128 or 256, got ", tile_volume);
+  check_tile_volume(check, tile_volume);
   check.ndim(slots, slots_name, 4, "[B, Tiles * V, H, D]");
-  if (!detail::is_float_dtype(slots.dtype))
-    detail::throw_type_error(check.function(), ": argument '", slots_name,
-                             "' must be float32, float16, bfloat16 or float64, got ",
-                             dtype_name(slots.dtype));
+  check_float(check, slots, slots_name);
   if (slots.shape[1] % tile_volume != 0)
     check.fail("argument '", slots_name, "' has ", slots.shape[1],
                " slots, not a multiple of the tile volume ", tile_volume);
@@ -41,23 +68,12 @@ CombineShape check_combine(const ArgChecker& check, const TensorView& slots,
   const std::int64_t coarse_shape[4] = {s.batch, s.tiles, s.heads, s.head_dim};
   check.shape(coarse, "coarse", coarse_shape, 4, "[B, Tiles, H, D]");
   check.dtype(coarse, "coarse", slots.dtype);
-  check.same_device(coarse, "coarse", slots.device);
-  if (gate) {
-    check.shape(*gate, "gate", slots.shape, 4, "(the tiled shape)");
-    check.dtype(*gate, "gate", slots.dtype);
-    check.same_device(*gate, "gate", slots.device);
-    check.unit_last_stride(*gate, "gate");
-    check.non_null(*gate, "gate");
-  }
   check.ndim(block_sizes, "block_sizes", 1, "[Tiles]");
   check.dtype(block_sizes, "block_sizes", DType::kInt32);
   check.same_device(block_sizes, "block_sizes", slots.device);
   check.dim_equals(block_sizes, "block_sizes", 0, s.tiles, "one entry per tile");
   check.non_null(block_sizes, "block_sizes");
-  check.unit_last_stride(slots, slots_name);
-  check.unit_last_stride(coarse, "coarse");
-  check.non_null(slots, slots_name);
-  check.non_null(coarse, "coarse");
+  check_rows_gate_coarse(check, slots, slots_name, coarse, gate, "(the tiled shape)");
   return s;
 }
 
@@ -68,6 +84,17 @@ void check_output(const ArgChecker& check, const TensorView& out, const char* na
   check.same_device(out, name, like.device);
   check.unit_last_stride(out, name);
   check.non_null(out, name);
+}
+
+void check_backward_outputs(const ArgChecker& check, const TensorView& grad_out,
+                            const TensorView& coarse, const std::optional<TensorView>& gate,
+                            const TensorView& grad_coarse,
+                            const std::optional<TensorView>& grad_gate) {
+  check_output(check, grad_coarse, "grad_coarse", coarse);
+  if (grad_gate) {
+    if (!gate) check.fail("argument 'grad_gate' needs 'gate'");
+    check_output(check, *grad_gate, "grad_gate", grad_out);
+  }
 }
 
 #if VIDATTN_WITH_CUDA
@@ -114,6 +141,32 @@ detail::CombineLaunchParams launch_params(const CombineShape& s, const TensorVie
 void throw_if(const char* function, const char* error) {
   if (error) throw std::runtime_error(detail::concat(function, ": CUDA error: ", error));
 }
+
+// The launches of either mode, on parameters that launch_params (and, in the row mode,
+// set_row_mode) filled.
+void launch_forward(const char* fn, detail::CombineLaunchParams lp, const TensorView& out) {
+  lp.out = out.data;
+  copy_strides(lp.out_stride, out);
+  lp.vectorize = lp.vectorize && aligned16(out);
+  throw_if(fn, detail::launch_vsa_combine_cuda(lp));
+}
+
+void launch_backward(const char* fn, detail::CombineLaunchParams lp,
+                     const TensorView& grad_coarse, const std::optional<TensorView>& grad_gate) {
+  lp.grad_coarse = grad_coarse.data;
+  copy_strides(lp.grad_coarse_stride, grad_coarse);
+  if (grad_gate) {
+    lp.grad_gate = grad_gate->data;
+    copy_strides(lp.grad_gate_stride, *grad_gate);
+  }
+  lp.vectorize = lp.vectorize && aligned16(grad_coarse) && (!grad_gate || aligned16(*grad_gate));
+  throw_if(fn, detail::launch_vsa_combine_backward_cuda(lp));
+}
+#else
+[[noreturn]] void throw_no_cuda(const char* fn) {
+  throw NotImplementedError(
+      detail::concat(fn, ": this build of vidattn has no CUDA backend; pass CPU tensors"));
+}
 #endif
 
 [[maybe_unused]] bool on_cpu(const TensorView& t) { return t.device.kind == DeviceKind::kCPU; }
@@ -135,14 +188,10 @@ void vsa_combine(const TensorView& fine, const TensorView& coarse,
 #if VIDATTN_WITH_CUDA
   detail::CombineLaunchParams lp =
       launch_params(s, fine, coarse, gate, &block_sizes, tile_volume, stream);
-  lp.out = out.data;
-  copy_strides(lp.out_stride, out);
-  lp.vectorize = lp.vectorize && aligned16(out);
-  throw_if(kFn, detail::launch_vsa_combine_cuda(lp));
+  launch_forward(kFn, lp, out);
 #else
   (void)s, (void)stream;
-  throw NotImplementedError(
-      detail::concat(kFn, ": this build of vidattn has no CUDA backend; pass CPU tensors"));
+  throw_no_cuda(kFn);
 #endif
 }
 
@@ -155,11 +204,7 @@ void vsa_combine_backward(const TensorView& grad_out, const TensorView& coarse,
   const ArgChecker check(kFn);
   const CombineShape s =
       check_combine(check, grad_out, "grad_out", coarse, gate, block_sizes, tile_volume);
-  check_output(check, grad_coarse, "grad_coarse", coarse);
-  if (grad_gate) {
-    if (!gate) check.fail("argument 'grad_gate' needs 'gate'");
-    check_output(check, *grad_gate, "grad_gate", grad_out);
-  }
+  check_backward_outputs(check, grad_out, coarse, gate, grad_coarse, grad_gate);
   if (coarse.numel() == 0 && grad_out.numel() == 0) return;
   if (on_cpu(grad_out))
     return detail::cpu_vsa_combine_backward(grad_out, coarse, gate, block_sizes, tile_volume,
@@ -167,18 +212,10 @@ void vsa_combine_backward(const TensorView& grad_out, const TensorView& coarse,
 #if VIDATTN_WITH_CUDA
   detail::CombineLaunchParams lp =
       launch_params(s, grad_out, coarse, gate, &block_sizes, tile_volume, stream);
-  lp.grad_coarse = grad_coarse.data;
-  copy_strides(lp.grad_coarse_stride, grad_coarse);
-  if (grad_gate) {
-    lp.grad_gate = grad_gate->data;
-    copy_strides(lp.grad_gate_stride, *grad_gate);
-  }
-  lp.vectorize = lp.vectorize && aligned16(grad_coarse) && (!grad_gate || aligned16(*grad_gate));
-  throw_if(kFn, detail::launch_vsa_combine_backward_cuda(lp));
+  launch_backward(kFn, lp, grad_coarse, grad_gate);
 #else
   (void)s, (void)stream;
-  throw NotImplementedError(
-      detail::concat(kFn, ": this build of vidattn has no CUDA backend; pass CPU tensors"));
+  throw_no_cuda(kFn);
 #endif
 }
 
@@ -192,14 +229,10 @@ CombineShape check_combine_rows(const ArgChecker& check, const TensorView& rows,
                                 const TensorView& token_to_slot,
                                 const TensorView& slot_to_token, std::int64_t tile_volume,
                                 std::int64_t first_token) {
-  if (!is_supported_tile_volume(tile_volume))
-    check.fail("tile volume must be 64, 128 or 256, got ", tile_volume);
+  check_tile_volume(check, tile_volume);
   if (first_token < 0) check.fail("first_token must be >= 0, got ", first_token);
   check.ndim(rows, rows_name, 4, "[B, R, H, D]");
-  if (!detail::is_float_dtype(rows.dtype))
-    detail::throw_type_error(check.function(), ": argument '", rows_name,
-                             "' must be float32, float16, bfloat16 or float64, got ",
-                             dtype_name(rows.dtype));
+  check_float(check, rows, rows_name);
   check.ndim(slot_to_token, "slot_to_token", 1, "[Tiles * V]");
   check.ndim(token_to_slot, "token_to_slot", 1, "[num_tokens]");
   for (const auto& [map, name] : {std::pair{&slot_to_token, "slot_to_token"},
@@ -224,18 +257,7 @@ CombineShape check_combine_rows(const ArgChecker& check, const TensorView& rows,
     detail::throw_type_error(check.function(),
                              ": argument 'coarse' must be float64 with float64 rows, got ",
                              dtype_name(coarse.dtype));
-  check.same_device(coarse, "coarse", rows.device);
-  if (gate) {
-    check.shape(*gate, "gate", rows.shape, 4, "(the shape of the rows)");
-    check.dtype(*gate, "gate", rows.dtype);
-    check.same_device(*gate, "gate", rows.device);
-    check.unit_last_stride(*gate, "gate");
-    check.non_null(*gate, "gate");
-  }
-  check.unit_last_stride(rows, rows_name);
-  check.unit_last_stride(coarse, "coarse");
-  check.non_null(rows, rows_name);
-  check.non_null(coarse, "coarse");
+  check_rows_gate_coarse(check, rows, rows_name, coarse, gate, "(the shape of the rows)");
   return s;
 }
 
@@ -269,14 +291,10 @@ void vsa_combine_rows(const TensorView& fine, const TensorView& coarse,
   detail::CombineLaunchParams lp =
       launch_params(s, fine, coarse, gate, nullptr, tile_volume, stream);
   set_row_mode(lp, token_to_slot, slot_to_token, first_token);
-  lp.out = out.data;
-  copy_strides(lp.out_stride, out);
-  lp.vectorize = lp.vectorize && aligned16(out);
-  throw_if(kFn, detail::launch_vsa_combine_cuda(lp));
+  launch_forward(kFn, lp, out);
 #else
   (void)s, (void)stream;
-  throw NotImplementedError(
-      detail::concat(kFn, ": this build of vidattn has no CUDA backend; pass CPU tensors"));
+  throw_no_cuda(kFn);
 #endif
 }
 
@@ -292,11 +310,7 @@ void vsa_combine_rows_backward(const TensorView& grad_out, const TensorView& coa
   const CombineShape s =
       check_combine_rows(check, grad_out, "grad_out", coarse, gate, token_to_slot,
                          slot_to_token, tile_volume, first_token);
-  check_output(check, grad_coarse, "grad_coarse", coarse);
-  if (grad_gate) {
-    if (!gate) check.fail("argument 'grad_gate' needs 'gate'");
-    check_output(check, *grad_gate, "grad_gate", grad_out);
-  }
+  check_backward_outputs(check, grad_out, coarse, gate, grad_coarse, grad_gate);
   if (coarse.numel() == 0 && grad_out.numel() == 0) return;
   if (on_cpu(grad_out))
     return detail::cpu_vsa_combine_rows_backward(grad_out, coarse, gate, token_to_slot,
@@ -306,18 +320,10 @@ void vsa_combine_rows_backward(const TensorView& grad_out, const TensorView& coa
   detail::CombineLaunchParams lp =
       launch_params(s, grad_out, coarse, gate, nullptr, tile_volume, stream);
   set_row_mode(lp, token_to_slot, slot_to_token, first_token);
-  lp.grad_coarse = grad_coarse.data;
-  copy_strides(lp.grad_coarse_stride, grad_coarse);
-  if (grad_gate) {
-    lp.grad_gate = grad_gate->data;
-    copy_strides(lp.grad_gate_stride, *grad_gate);
-  }
-  lp.vectorize = lp.vectorize && aligned16(grad_coarse) && (!grad_gate || aligned16(*grad_gate));
-  throw_if(kFn, detail::launch_vsa_combine_backward_cuda(lp));
+  launch_backward(kFn, lp, grad_coarse, grad_gate);
 #else
   (void)s, (void)stream;
-  throw NotImplementedError(
-      detail::concat(kFn, ": this build of vidattn has no CUDA backend; pass CPU tensors"));
+  throw_no_cuda(kFn);
 #endif
 }
 
