@@ -95,12 +95,10 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
-def nccl_group(spec: str):
-    """None (the world group) or a new NCCL group of both ranks with the communicator options
-    in spec ('max_ctas=8,cta_policy=1'; 'high_priority=1' puts its collectives on a
-    high-priority stream, whose CTAs the GPU schedules ahead of a running kernel's)."""
-    if spec == "default" or not dist.is_nccl_available():
-        return None
+def nccl_options(spec: str):
+    """ProcessGroupNCCL options from spec ('max_ctas=8,cta_policy=1'; 'high_priority=1' puts
+    the group's collectives on a high-priority stream, whose CTAs the GPU schedules ahead of
+    a running kernel's)."""
     opts = dist.ProcessGroupNCCL.Options()
     for item in spec.split(","):
         key, value = item.split("=")
@@ -108,7 +106,15 @@ def nccl_group(spec: str):
             opts.is_high_priority_stream = bool(int(value))
         else:
             setattr(opts.config, key.strip(), int(value))
-    return dist.new_group(backend="nccl", pg_options=opts)
+    return opts
+
+
+def nccl_group(spec: str):
+    """None (the world group) or a new NCCL group of both ranks with the options in spec
+    (nccl_options)."""
+    if spec == "default" or not dist.is_nccl_available():
+        return None
+    return dist.new_group(backend="nccl", pg_options=nccl_options(spec))
 
 
 def dims(text):
@@ -346,8 +352,7 @@ def main(argv=None):
     backend = "nccl" if args.device == "cuda" else "gloo"
     options = None
     if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options.is_high_priority_stream = args.comm_priority == "high"
+        options = nccl_options(f"high_priority={int(args.comm_priority == 'high')}")
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=30),
                             pg_options=options)
     try:
