@@ -170,6 +170,47 @@ std::tuple<Tensor, Tensor> vsa_combine_rows_backward_meta(const Tensor& grad_out
   return backward_meta(grad_out, coarse, gate);
 }
 
+// vsa_combine_rows written into `out` (any strides with a unit last one, e.g. some heads of a
+// larger tensor) instead of a new tensor: the sequence-parallel layer combines each head
+// chunk into the layer's output as the chunk comes back, without a placing copy. Inference
+// only: out is mutated, so the Autograd kernel refuses inputs that require grad.
+void vsa_combine_rows_into_kernel(const Tensor& out, const Tensor& fine, const Tensor& coarse,
+                                  const OptTensor& gate, const Tensor& token_to_slot,
+                                  const Tensor& slot_to_token, int64_t tile_volume,
+                                  int64_t first_token) {
+  constexpr const char* fn = "vidattn.vsa_combine_rows_into";
+  const at::OptionalDeviceGuard device_guard(at::device_of(fine));
+  require_int32(token_to_slot, fn, "token_to_slot");
+  require_int32(slot_to_token, fn, "slot_to_token");
+  translate_errors([&] {
+    vsa_combine_rows(view_of(fine, fn, "fine"), view_of(coarse, fn, "coarse"),
+                     view_of(gate, fn, "gate"), view_of(token_to_slot, fn, "token_to_slot"),
+                     view_of(slot_to_token, fn, "slot_to_token"), tile_volume, first_token,
+                     view_of(out, fn, "out"), at::get_num_threads(), stream_of(fine));
+  });
+}
+
+void vsa_combine_rows_into_meta(const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
+                                const Tensor&, const Tensor&, int64_t, int64_t) {}
+
+void vsa_combine_rows_into_autograd(const Tensor& out, const Tensor& fine, const Tensor& coarse,
+                                    const OptTensor& gate, const Tensor& token_to_slot,
+                                    const Tensor& slot_to_token, int64_t tile_volume,
+                                    int64_t first_token) {
+  static auto op = find_op<decltype(vsa_combine_rows_into_kernel)>(
+      "vidattn::vsa_combine_rows_into");
+  TORCH_CHECK(!at::GradMode::is_enabled() ||
+                  !(out.requires_grad() || fine.requires_grad() || coarse.requires_grad() ||
+                    (has(gate) && gate->requires_grad())),
+              "vidattn.vsa_combine_rows_into: writes into 'out' and has no gradient; with "
+              "tensors that require grad use vidattn.vsa_combine_rows");
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.call(out, fine, coarse, gate, token_to_slot, slot_to_token, tile_volume, first_token);
+  }
+  torch::autograd::impl::bump_version(out);  // what ADInplaceOrView does for in-place ops
+}
+
 class VsaCombineRowsFunction : public torch::autograd::Function<VsaCombineRowsFunction> {
  public:
   static Tensor forward(AutogradContext* ctx, const Tensor& fine, const Tensor& coarse,
@@ -220,6 +261,9 @@ TORCH_LIBRARY_FRAGMENT(vidattn, m) {
         "Tensor token_to_slot, Tensor slot_to_token, int tile_volume, int first_token) -> "
         "(Tensor grad_coarse, Tensor grad_gate)",
         tags);
+  m.def("vsa_combine_rows_into(Tensor(a!) out, Tensor fine, Tensor coarse, Tensor? gate, "
+        "Tensor token_to_slot, Tensor slot_to_token, int tile_volume, int first_token) -> ()",
+        tags);
 }
 
 // The same kernels serve CPU and CUDA tensors (the core dispatches on the device).
@@ -228,6 +272,7 @@ static void impl_combine_kernels(torch::Library& m) {
   m.impl("vsa_combine_backward", &vsa_combine_backward_kernel);
   m.impl("vsa_combine_rows", &vsa_combine_rows_kernel);
   m.impl("vsa_combine_rows_backward", &vsa_combine_rows_backward_kernel);
+  m.impl("vsa_combine_rows_into", &vsa_combine_rows_into_kernel);
 }
 
 TORCH_LIBRARY_IMPL(vidattn, CPU, m) { impl_combine_kernels(m); }
@@ -240,6 +285,7 @@ TORCH_LIBRARY_IMPL(vidattn, Meta, m) {
   m.impl("vsa_combine_backward", &vsa_combine_backward_meta);
   m.impl("vsa_combine_rows", &vsa_combine_rows_meta);
   m.impl("vsa_combine_rows_backward", &vsa_combine_rows_backward_meta);
+  m.impl("vsa_combine_rows_into", &vsa_combine_rows_into_meta);
 }
 
 TORCH_LIBRARY_IMPL(vidattn, Autograd, m) {
@@ -247,6 +293,7 @@ TORCH_LIBRARY_IMPL(vidattn, Autograd, m) {
   m.impl("vsa_combine_backward", refusing_double_backward());
   m.impl("vsa_combine_rows", &vsa_combine_rows_autograd);
   m.impl("vsa_combine_rows_backward", refusing_double_backward());
+  m.impl("vsa_combine_rows_into", &vsa_combine_rows_into_autograd);
 }
 
 }  // namespace vidattn::torch_ops

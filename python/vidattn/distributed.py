@@ -308,8 +308,13 @@ class DistributedAttention(torch.nn.Module):
 
         if self.backend == "vsa" and world > 1:
             sharded = [q, k, v]
+            ranges = self._head_ranges(sharded, world)
+            if q.shape[0] == 1 and _untracked(q, k, v, gate, cos, sin):
+                # Inference: each chunk is combined into the output as it comes back.
+                return self._vsa_pipelined_b1(sharded, world, group, seq_len, padded, cos, sin,
+                                              ranges, gate=gate, combine=True)
             fine, coarse = self._vsa_pipelined(sharded, world, group, seq_len, padded, cos, sin,
-                                               self._head_ranges(sharded, world))
+                                               ranges)
             # The combination on this rank's own rows: the gate never travels.
             tiling = self.tiling
             return torch.ops.vidattn.vsa_combine_rows(
@@ -447,12 +452,17 @@ class DistributedAttention(torch.nn.Module):
         return fine, self._gathered_coarse(gathered, world)
 
     def _vsa_pipelined_b1(self, sharded, world: int, group, seq_len: int, padded: int, cos,
-                          sin, ranges):
+                          sin, ranges, gate=None, combine: bool = False):
         """_vsa_pipelined for B = 1 without the packing copy: the tensors of a chunk travel
         in separate all-to-alls, each sent from a [world, S_local, hc, D] buffer that one pass
         fills. RoPE runs before the all-to-all, on this rank's positions, and is that pass for
         q and k (a view of the shard with the destination rank as the batch dimension); v is
-        copied. What arrives is already [1, world * S_local, hc, D]."""
+        copied. What arrives is already [1, world * S_local, hc, D].
+        ``combine`` (no autograd): instead of placing each returned chunk into the fine
+        output, combine it with its coarse output and the gate straight into its heads of the
+        layer's output (``vsa_combine_rows_into``) and return that: the placing copies and
+        the separate combination pass go, and the first chunk's combination runs while the
+        last chunk's output is still travelling."""
         rank = dist.get_rank(group)
         s_local = sharded[0].shape[1]
         h_local = sharded[0].shape[2] // world
@@ -480,7 +490,20 @@ class DistributedAttention(torch.nn.Module):
 
         def place(c):  # chunk c's heads of this rank's rows, back from every head group
             back = torch.ops._c10d_functional.wait_tensor(returning[c])
-            _copy_rows(result[:, :, ranges[c][0]:ranges[c][1]], back.permute(1, 0, 2, 3))
+            h0, h1 = ranges[c]
+            if not combine:
+                _copy_rows(result[:, :, h0:h1], back.permute(1, 0, 2, 3))
+                return
+            # Head group j as the batch dimension: [world, S_local, hc, Dv] views of the
+            # output and the gate, and the all-gathered coarse output [world, Tiles, hc, Dv].
+            coarse = torch.ops._c10d_functional.wait_tensor(gathered[c])
+            gate_c = None
+            if gate is not None:
+                gate_c = gate[0].unflatten(1, (world, h_local))[:, :, h0:h1].permute(1, 0, 2, 3)
+            tiling = self.tiling
+            torch.ops.vidattn.vsa_combine_rows_into(
+                result[:, :, h0:h1].permute(1, 0, 2, 3), back, coarse, gate_c,
+                tiling.token_to_slot, tiling.slot_to_token, tiling.tile_volume, rank * s_local)
 
         # Chunk c + 1 is packed and sent once chunk c's selection is queued: for chunk 0 that
         # is while its v is still in flight, so the packing delays neither chunk 0's
@@ -508,8 +531,17 @@ class DistributedAttention(torch.nn.Module):
             if c >= 1:
                 place(c - 1)
         place(chunks - 1)
-        return (result.view(1, s_local, world * h_local, dv),
-                self._gathered_coarse(gathered, world))
+        result = result.view(1, s_local, world * h_local, dv)
+        return result if combine else (result, self._gathered_coarse(gathered, world))
+
+
+def _untracked(*tensors) -> bool:
+    """Whether eager code may take shortcuts that autograd and compile would not see: not
+    compiling, and autograd records none of the tensors (None entries allowed)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (torch.is_grad_enabled()
+                and any(t is not None and t.requires_grad for t in tensors))
 
 
 def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
@@ -527,8 +559,7 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
             return None
         return t.view(torch.complex128)
 
-    plain = (torch.compiler.is_compiling() or dst.dtype != src.dtype
-             or (torch.is_grad_enabled() and (src.requires_grad or dst.requires_grad)))
+    plain = dst.dtype != src.dtype or not _untracked(src, dst)
     if not plain:
         dst_words, src_words = words(dst), words(src)
         if dst_words is not None and src_words is not None:

@@ -297,3 +297,54 @@ def test_combine_rows_bad_input(bad, exc, match):
         gate = gate[:, :39]
     with pytest.raises(exc, match=match):
         ops.vsa_combine_rows(fine, coarse, gate, t2s, s2t, 64, bad.get("first", 0))
+
+
+# ---- vsa_combine_rows_into: the same combination written into a given (strided) tensor ----
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype,coarse_dtype", [
+    (torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float16)])
+@pytest.mark.parametrize("use_gate", [True, False])
+def test_combine_rows_into_writes_the_functional_result_into_a_view(device, dtype, coarse_dtype,
+                                                                  use_gate):
+    """What the sequence-parallel layer does with a returned chunk: the output is some heads
+    of a larger tensor (head group as the batch dimension), the gate a strided view too.
+    The written elements equal vsa_combine_rows bit for bit; every other element of the
+    larger tensor keeps its NaN poison."""
+    t = vidattn.VideoTiling((3, 5, 9), (4, 4, 4), device=device)
+    world, R, h_local, D, h0, h1, first = 2, 70, 5, 64, 1, 4, 65  # rows 65..134 + 1 padding
+    fine, coarse, _ = make_rows(21, t, first, R, world, h1 - h0, D, dtype, coarse_dtype, device)
+    gate_full = torch.randn((1, R, world * h_local, D), generator=torch.Generator().manual_seed(4),
+                            dtype=torch.float64).to(dtype).to(device)
+    gate = gate_full[0].unflatten(1, (world, h_local))[:, :, h0:h1].permute(1, 0, 2, 3)
+    gate = gate if use_gate else None
+    expected = ops.vsa_combine_rows(fine, coarse, gate, t.token_to_slot, t.slot_to_token,
+                                    t.tile_volume, first)
+    result = torch.full((R, world, h_local, D), float("nan"), dtype=dtype, device=device)
+    out = result[:, :, h0:h1].permute(1, 0, 2, 3)
+    assert not out.is_contiguous()
+    version = result._version
+    ops.vsa_combine_rows_into(out, fine, coarse, gate, t.token_to_slot, t.slot_to_token,
+                              t.tile_volume, first)
+    assert torch.equal(out, expected)
+    assert result[:, :, :h0].isnan().all() and result[:, :, h1:].isnan().all()
+    assert result._version > version  # autograd's in-place bookkeeping sees the write
+
+
+def test_combine_rows_into_refuses_autograd_and_checks_out():
+    t = vidattn.VideoTiling((3, 5, 6), (4, 4, 4))
+    fine, coarse, gate = make_rows(7, t, 0, 40, 1, 2, 64, torch.float32, torch.float32, "cpu")
+    out = torch.empty_like(fine)
+    args = (t.token_to_slot, t.slot_to_token, 64, 0)
+    with pytest.raises(RuntimeError, match="has no gradient; .* use vidattn.vsa_combine_rows"):
+        ops.vsa_combine_rows_into(out, fine.clone().requires_grad_(), coarse, gate, *args)
+    with torch.no_grad():  # the same call without autograd recording is fine
+        ops.vsa_combine_rows_into(out, fine.clone().requires_grad_(), coarse, gate, *args)
+    assert torch.equal(out, ops.vsa_combine_rows(fine, coarse, gate, *args))
+    with pytest.raises(ValueError, match="'out' must have shape"):
+        ops.vsa_combine_rows_into(out[:, :39], fine, coarse, gate, *args)
+    with pytest.raises(TypeError, match="'out' must have dtype"):
+        ops.vsa_combine_rows_into(out.double(), fine, coarse, gate, *args)
+    torch.library.opcheck(ops.vsa_combine_rows_into.default,
+                          (out, fine, coarse, gate, *args))
