@@ -245,7 +245,7 @@ class DistributedAttention(torch.nn.Module):
         return tiling.untile(out)
 
     def _vsa_chunk(self, arriving, finish, seq_len: int, padded: int, world: int, group,
-                   before_v=None):
+                   before_v=None, send=None, pieces: int = 1):
         """One head chunk of the pipeline (world > 1), before the combination. ``arriving``:
         q, k, v of the chunk in some pending form, ``finish(x)`` the full-sequence tensor
         [B, seq_len, hc, D] of one (it waits for its all-to-all). The stages are queued in
@@ -255,7 +255,10 @@ class DistributedAttention(torch.nn.Module):
         all-gather (issued, not waited) of the float32 coarse output over the group's head
         groups, ``[world * B, Tiles, hc, Dv]``. float32, so that the coarse gradient, which
         every rank sums over its own rows, is summed across ranks before it is rounded to
-        16 bits."""
+        16 bits. With ``send``, the fine output is computed in ``pieces`` runs of the chunk's
+        heads and each is handed to ``send(h0, h1, fine_piece)`` as soon as it is queued, so
+        that its return travels while the next piece computes; the fine output returned is
+        then None."""
         from torch.distributed import _functional_collectives as funcol
         from .vsa import _resolve_topk, _vsa_coarse, _vsa_fine, _vsa_pool, _vsa_select
         tiling = self.tiling
@@ -267,15 +270,29 @@ class DistributedAttention(torch.nn.Module):
             before_v()
         v = tiling.tile(finish(arriving[2]))
         o_c = _vsa_coarse(q_c, k_c, _vsa_pool(v, tiling), tiling, tiling, self.scale)
-        o_s = _vsa_fine(q, k, v, selection, tiling, tiling, self.scale, self.sm_margin or 0)
-        fine = tiling.untile(o_s)
-        if seq_len != padded:
-            fine = F.pad(fine, (0, 0, 0, 0, 0, padded - seq_len))
         if o_c.dtype in (torch.float16, torch.bfloat16):
             o_c = o_c.float()
         coarse = torch.ops._c10d_functional.all_gather_into_tensor(
             o_c.contiguous(), world, funcol._resolve_group_name(group))
-        return fine, coarse
+
+        def fine_of(h0, h1):
+            heads = slice(h0, h1)
+            o_s = _vsa_fine(q[:, :, heads], k[:, :, heads], v[:, :, heads],
+                            [t[:, heads] for t in selection], tiling, tiling, self.scale,
+                            self.sm_margin or 0)
+            fine = tiling.untile(o_s)
+            if seq_len != padded:
+                fine = F.pad(fine, (0, 0, 0, 0, 0, padded - seq_len))
+            return fine
+
+        hc = q.shape[2]
+        if send is None:
+            return fine_of(0, hc), coarse
+        bounds = [hc * i // pieces for i in range(pieces + 1)]
+        for h0, h1 in zip(bounds, bounds[1:]):
+            if h1 > h0:
+                send(h0, h1, fine_of(h0, h1))
+        return None, coarse
 
     @staticmethod
     def _gathered_coarse(gathered, world: int) -> torch.Tensor:
@@ -488,15 +505,16 @@ class DistributedAttention(torch.nn.Module):
             t = torch.ops._c10d_functional.wait_tensor(r)
             return t.reshape(1, world * s_local, t.shape[2], t.shape[3])[:, :seq_len]
 
-        def place(c):  # chunk c's heads of this rank's rows, back from every head group
-            back = torch.ops._c10d_functional.wait_tensor(returning[c])
-            h0, h1 = ranges[c]
+        def place(c, a, b, returned):
+            """Heads a:b of chunk c (this rank's rows, back from every head group)."""
+            back = torch.ops._c10d_functional.wait_tensor(returned)
+            h0, h1 = ranges[c][0] + a, ranges[c][0] + b
             if not combine:
                 _copy_rows(result[:, :, h0:h1], back.permute(1, 0, 2, 3))
                 return
-            # Head group j as the batch dimension: [world, S_local, hc, Dv] views of the
-            # output and the gate, and the all-gathered coarse output [world, Tiles, hc, Dv].
-            coarse = torch.ops._c10d_functional.wait_tensor(gathered[c])
+            # Head group j as the batch dimension: [world, S_local, heads, Dv] views of the
+            # output and the gate, and of the all-gathered coarse output [world, Tiles, hc, Dv].
+            coarse = torch.ops._c10d_functional.wait_tensor(gathered[c])[:, :, a:b]
             gate_c = None
             if gate is not None:
                 gate_c = gate[0].unflatten(1, (world, h_local))[:, :, h0:h1].permute(1, 0, 2, 3)
@@ -518,21 +536,35 @@ class DistributedAttention(torch.nn.Module):
             if c + 1 < chunks:
                 pending[c + 1] = issue(c + 1)
 
-        for c in range(chunks):
-            fine, coarse = self._vsa_chunk(pending.pop(c), arrived, seq_len, padded, world,
-                                           group, before_v=lambda: issue_next(c))
-            gathered.append(coarse)
-            hc, dv = fine.shape[2], fine.shape[3]
-            returning.append(_all_to_all_start(fine.view(world, s_local, hc, dv), world, group))
+        def send(c, a, b, fine):  # heads a:b of chunk c go back to their home ranks
+            nonlocal result
             if result is None:
-                result = fine.new_empty(s_local, world, h_local, dv)
-            # Chunk c - 1 came back while chunk c computed: place it now, so that only the
-            # last chunk's placement follows the last compute.
-            if c >= 1:
-                place(c - 1)
-        place(chunks - 1)
-        result = result.view(1, s_local, world * h_local, dv)
+                result = fine.new_empty(s_local, world, h_local, fine.shape[3])
+            returning.append((c, a, b, _all_to_all_start(
+                fine.view(world, s_local, b - a, fine.shape[3]), world, group)))
+
+        for c in range(chunks):
+            # Inference: the last chunk's heads in two pieces, so that the first piece's
+            # return and combination run while the second computes, and only half a chunk's
+            # return waits at the end (with autograd: one piece, the measured training path).
+            pieces = _TAIL_PIECES if combine and c == chunks - 1 else 1
+            _, coarse = self._vsa_chunk(pending.pop(c), arrived, seq_len, padded, world,
+                                        group, before_v=lambda: issue_next(c),
+                                        send=lambda a, b, fine: send(c, a, b, fine),
+                                        pieces=pieces)
+            gathered.append(coarse)
+            # What came back while this chunk computed is placed now, so that only the last
+            # piece's placement follows the last compute.
+            while len(returning) > pieces:
+                place(*returning.pop(0))
+        while returning:
+            place(*returning.pop(0))
+        result = result.view(1, s_local, world * h_local, result.shape[-1])
         return result if combine else (result, self._gathered_coarse(gathered, world))
+
+
+# Pieces of the last head chunk in the inference pipeline (see _vsa_pipelined_b1).
+_TAIL_PIECES = 2
 
 
 def _untracked(*tensors) -> bool:
