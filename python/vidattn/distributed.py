@@ -134,7 +134,9 @@ class DistributedAttention(torch.nn.Module):
     travels back is the fine branch alone; the coarse outputs (one row per tile, float32) are
     all-gathered, and every rank forms ``o_c * gate + o_s`` on its own rows
     (``vidattn::vsa_combine_rows``), so the gate never leaves its rank (one all-to-all fewer
-    each way).
+    each way). Without autograd (inference, B = 1) each returned chunk is combined straight
+    into the output, and the last chunk's fine attention runs in two pieces of its heads so
+    that less of its return is left at the end; the result is the same bit for bit.
     ``head_chunks``: an int (that many equal chunks) or the head count of each chunk, e.g.
     ``(2, 8, 8, 2)``; default 2 equal chunks where they split evenly (on 2x H200 uneven
     chunks measured no faster, docs/perf-notes.md). Heads are independent, so the result is
