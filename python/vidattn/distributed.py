@@ -134,9 +134,9 @@ class DistributedAttention(torch.nn.Module):
     travels back is the fine branch alone; the coarse outputs (one row per tile, float32) are
     all-gathered, and every rank forms ``o_c * gate + o_s`` on its own rows
     (``vidattn::vsa_combine_rows``), so the gate never leaves its rank (one all-to-all fewer
-    each way). Without autograd (inference) each returned chunk is combined straight into
-    the output, and (B = 1) the last chunk's fine attention runs in two pieces of its heads
-    so that less of its return is left at the end; the result is the same bit for bit.
+    each way). Without autograd (inference, B = 1) each returned chunk is combined straight
+    into the output, and the last chunk's fine attention runs in two pieces of its heads so
+    that less of its return is left at the end; the result is the same bit for bit.
     ``head_chunks``: an int (that many equal chunks) or the head count of each chunk, e.g.
     ``(2, 8, 8, 2)``; default 2 equal chunks where they split evenly (on 2x H200 uneven
     chunks measured no faster, docs/perf-notes.md). Heads are independent, so the result is
@@ -328,10 +328,10 @@ class DistributedAttention(torch.nn.Module):
         if self.backend == "vsa" and world > 1:
             sharded = [q, k, v]
             ranges = self._head_ranges(sharded, world)
-            if _untracked(q, k, v, gate, cos, sin):
+            if q.shape[0] == 1 and _untracked(q, k, v, gate, cos, sin):
                 # Inference: each chunk is combined into the output as it comes back.
-                return self._vsa_pipelined(sharded, world, group, seq_len, padded, cos, sin,
-                                           ranges, gate=gate, combine=True)
+                return self._vsa_pipelined_b1(sharded, world, group, seq_len, padded, cos, sin,
+                                              ranges, gate=gate, combine=True)
             fine, coarse = self._vsa_pipelined(sharded, world, group, seq_len, padded, cos, sin,
                                                ranges)
             # The combination on this rank's own rows: the gate never travels.
@@ -415,19 +415,17 @@ class DistributedAttention(torch.nn.Module):
         return True
 
     def _vsa_pipelined(self, sharded, world: int, group, seq_len: int, padded: int, cos, sin,
-                       ranges, gate=None, combine: bool = False):
+                       ranges):
         """The VSA path (world > 1) over the head chunks `ranges` of this rank's heads, with
         the all-to-alls overlapping compute: chunk c + 1 travels while chunk c computes, and
         chunk c's fine output travels back while chunk c + 1 computes. Head j * h_local + h
         of a tensor is head h of the chunk list on rank j. sharded: q, k, v. Returns this
         rank's rows of the fine output ``[B, S_local, H, Dv]`` and the coarse output of all
-        heads ``[B, Tiles, H, Dv]`` (float32), for the combination on this rank; with
-        ``combine`` (no autograd) the combined output itself, each returned chunk combined
-        straight into its heads of it (``vsa_combine_rows_into``, one call per head group)."""
+        heads ``[B, Tiles, H, Dv]`` (float32), for the combination on this rank."""
         b, s_local = sharded[0].shape[0], sharded[0].shape[1]
         if b == 1:
             return self._vsa_pipelined_b1(sharded, world, group, seq_len, padded, cos, sin,
-                                          ranges, gate=gate, combine=combine)
+                                          ranges)
         h_local = sharded[0].shape[2] // world
         # Every chunk's all-to-all is issued up front: NCCL runs them in order while the
         # compute stream works on the chunks already received. The packing, unpacking and
@@ -461,26 +459,16 @@ class DistributedAttention(torch.nn.Module):
                               fine.reshape(b, world, s_local, hc * dv).permute(1, 0, 2, 3))
             returning.append(_all_to_all_start(send, world, group))
         # [world (head group), B, S_local, hc * Dv] per chunk -> [B, S_local, world, hc, Dv],
-        # placed (or combined) at the chunk's heads of every head group.
+        # placed at the chunk's heads of every head group.
         fine = None
-        rank, tiling = dist.get_rank(group), self.tiling
-        for c, (r, (h0, h1)) in enumerate(zip(returning, ranges)):
-            back = torch.ops._c10d_functional.wait_tensor(r).unflatten(-1, (h1 - h0, -1))
+        for r, (h0, h1) in zip(returning, ranges):
+            back = torch.ops._c10d_functional.wait_tensor(r).permute(1, 2, 0, 3)
+            back = back.unflatten(-1, (h1 - h0, -1))
             if fine is None:
                 fine = back.new_empty(b, s_local, world, h_local, back.shape[-1])
-            if not combine:
-                _copy_rows(fine[:, :, :, h0:h1], back.permute(1, 2, 0, 3, 4))
-                continue
-            coarse = torch.ops._c10d_functional.wait_tensor(gathered[c]).unflatten(0, (world, b))
-            for j in range(world):  # head group j's heads h0:h1
-                gate_j = None
-                if gate is not None:
-                    gate_j = gate[:, :, j * h_local + h0:j * h_local + h1]
-                torch.ops.vidattn.vsa_combine_rows_into(
-                    fine[:, :, j, h0:h1], back[j], coarse[j], gate_j, tiling.token_to_slot,
-                    tiling.slot_to_token, tiling.tile_volume, rank * s_local)
+            _copy_rows(fine[:, :, :, h0:h1], back)
         fine = fine.view(b, s_local, world * h_local, fine.shape[-1])
-        return fine if combine else (fine, self._gathered_coarse(gathered, world))
+        return fine, self._gathered_coarse(gathered, world)
 
     def _vsa_pipelined_b1(self, sharded, world: int, group, seq_len: int, padded: int, cos,
                           sin, ranges, gate=None, combine: bool = False):
