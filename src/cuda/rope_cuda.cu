@@ -65,12 +65,11 @@ struct alignas(16) Vec8 {
   X v[8];
 };
 
-// The 16-byte path (see the file comment); x and out are 2-byte types, float math. Unit u of
-// a head: interleaved, columns [8u, 8u + 8) (pairs 4u .. 4u + 3); halves, columns [8u, 8u + 8)
-// and their partners [8u + D/2, 8u + D/2 + 8).
+// The 16-byte path (see the file comment) for NeoX halves; x and out are 2-byte types, float
+// math. Unit u of a head: columns [8u, 8u + 8) and their partners [8u + D/2, 8u + D/2 + 8).
 template <class X, class C>
-__global__ void rope_vec_kernel(RopeLaunchParams p, std::uint32_t units_per_head,
-                                std::uint32_t total) {
+__global__ void rope_vec_halves_kernel(RopeLaunchParams p, std::uint32_t units_per_head,
+                                       std::uint32_t total) {
   const std::uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const std::uint32_t u = i % units_per_head;
@@ -89,51 +88,33 @@ __global__ void rope_vec_kernel(RopeLaunchParams p, std::uint32_t units_per_head
   };
   const std::int64_t half = p.head_dim / 2;
   const int col0 = 8 * int(u);
-  if (p.interleaved) {
-    const Vec8<X> in = *reinterpret_cast<const Vec8<X>*>(x + col0);
-    Vec8<X> res;
+  const Vec8<X> in_a = *reinterpret_cast<const Vec8<X>*>(x + col0);
+  const Vec8<X> in_b = *reinterpret_cast<const Vec8<X>*>(x + col0 + half);
+  Vec8<X> res_a, res_b;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const int ia = col0 + 2 * j, ib = ia + 1;
-      const int ja = p.half_table ? ia / 2 : ia, jb = p.half_table ? ia / 2 : ib;
-      const float ca = table(c_row, p.cos_stride[1], ja), sa = table(s_row, p.sin_stride[1], ja);
-      const float cb = table(c_row, p.cos_stride[1], jb), sb = table(s_row, p.sin_stride[1], jb);
-      const float xa = Io<X>::template load<float>(in.v[2 * j]);
-      const float xb = Io<X>::template load<float>(in.v[2 * j + 1]);
-      const float ya = p.transpose ? xa * ca + xb * sb : xa * ca - xb * sa;
-      const float yb = p.transpose ? xb * cb - xa * sa : xb * cb + xa * sb;
-      res.v[2 * j] = Io<X>::template store<float>(ya);
-      res.v[2 * j + 1] = Io<X>::template store<float>(yb);
-    }
-    *reinterpret_cast<Vec8<X>*>(out + col0) = res;
-  } else {
-    const Vec8<X> in_a = *reinterpret_cast<const Vec8<X>*>(x + col0);
-    const Vec8<X> in_b = *reinterpret_cast<const Vec8<X>*>(x + col0 + half);
-    Vec8<X> res_a, res_b;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const std::int64_t k = col0 + j;
-      const std::int64_t ja = k, jb = p.half_table ? k : k + half;
-      const float ca = table(c_row, p.cos_stride[1], ja), sa = table(s_row, p.sin_stride[1], ja);
-      const float cb = table(c_row, p.cos_stride[1], jb), sb = table(s_row, p.sin_stride[1], jb);
-      const float xa = Io<X>::template load<float>(in_a.v[j]);
-      const float xb = Io<X>::template load<float>(in_b.v[j]);
-      res_a.v[j] = Io<X>::template store<float>(p.transpose ? xa * ca + xb * sb
-                                                            : xa * ca - xb * sa);
-      res_b.v[j] = Io<X>::template store<float>(p.transpose ? xb * cb - xa * sa
-                                                            : xb * cb + xa * sb);
-    }
-    *reinterpret_cast<Vec8<X>*>(out + col0) = res_a;
-    *reinterpret_cast<Vec8<X>*>(out + col0 + half) = res_b;
+  for (int j = 0; j < 8; ++j) {
+    const std::int64_t k = col0 + j;
+    const std::int64_t ja = k, jb = p.half_table ? k : k + half;
+    const float ca = table(c_row, p.cos_stride[1], ja), sa = table(s_row, p.sin_stride[1], ja);
+    const float cb = table(c_row, p.cos_stride[1], jb), sb = table(s_row, p.sin_stride[1], jb);
+    const float xa = Io<X>::template load<float>(in_a.v[j]);
+    const float xb = Io<X>::template load<float>(in_b.v[j]);
+    res_a.v[j] = Io<X>::template store<float>(p.transpose ? xa * ca + xb * sb
+                                                          : xa * ca - xb * sa);
+    res_b.v[j] = Io<X>::template store<float>(p.transpose ? xb * cb - xa * sa
+                                                          : xb * cb + xa * sb);
   }
+  *reinterpret_cast<Vec8<X>*>(out + col0) = res_a;
+  *reinterpret_cast<Vec8<X>*>(out + col0 + half) = res_b;
 }
 
 // The 16-byte path for interleaved pairs: a thread owns unit u of one (batch, position) and
-// walks all its heads, so the table values (which do not depend on the head) and the index
-// math are paid once per thread instead of once per 16 bytes moved: 0.645 -> 0.434 ms at
-// [1, 75600, 40, 128] bf16 on an H200 (tools/bench_rope.py, same run). NeoX halves keep the
-// kernel above: walking the heads measured slower for them (0.452 -> 0.504 ms; two 16-byte
-// loads per head and 32 table values per thread).
+// walks all its heads (unit u of a head: columns [8u, 8u + 8), pairs 4u .. 4u + 3), so the
+// table values (which do not depend on the head) and the index math are paid once per thread
+// instead of once per 16 bytes moved: 0.645 -> 0.434 ms at [1, 75600, 40, 128] bf16 on an
+// H200 (tools/bench_rope.py, same run). NeoX halves keep one head per thread (the kernel
+// above): walking the heads measured slower for them (0.452 -> 0.504 ms; two 16-byte loads
+// per head and 32 table values per thread).
 template <class X, class C>
 __global__ void rope_vec_interleaved_kernel(RopeLaunchParams p, std::uint32_t units_per_head,
                                             std::uint32_t total) {
@@ -209,7 +190,7 @@ void launch_typed(const RopeLaunchParams& p, cudaStream_t stream) {
           <<<(threads + kThreads - 1) / kThreads, kThreads, 0, stream>>>(p, units_per_head,
                                                                         threads);
     } else {
-      rope_vec_kernel<X, C><<<(units + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+      rope_vec_halves_kernel<X, C><<<(units + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
           p, units_per_head, units);
     }
     return;
