@@ -118,22 +118,30 @@ Tensor vsa_combine_autograd(const Tensor& fine, const Tensor& coarse, const OptT
 
 // ---- the row mode: raster rows first_token ... (vidattn/vsa_combine.h) ----
 
-Tensor vsa_combine_rows_kernel(const Tensor& fine, const Tensor& coarse, const OptTensor& gate,
-                               const Tensor& token_to_slot, const Tensor& slot_to_token,
-                               int64_t tile_volume, int64_t first_token) {
-  constexpr const char* fn = "vidattn.vsa_combine_rows";
+// The rows combination of both row ops: into *out, or (out null) into a new contiguous tensor
+// like fine, made once fine's own checks have passed so that a bad fine is named as 'fine'.
+Tensor combine_rows(const char* fn, const Tensor* out, const Tensor& fine, const Tensor& coarse,
+                    const OptTensor& gate, const Tensor& token_to_slot,
+                    const Tensor& slot_to_token, int64_t tile_volume, int64_t first_token) {
   const at::OptionalDeviceGuard device_guard(at::device_of(fine));
   require_int32(token_to_slot, fn, "token_to_slot");
   require_int32(slot_to_token, fn, "slot_to_token");
   return translate_errors([&] {
     const TensorView fv = view_of(fine, fn, "fine");
-    Tensor out = at::empty_like(fine, at::MemoryFormat::Contiguous);
+    Tensor result = out ? *out : at::empty_like(fine, at::MemoryFormat::Contiguous);
     vsa_combine_rows(fv, view_of(coarse, fn, "coarse"), view_of(gate, fn, "gate"),
                      view_of(token_to_slot, fn, "token_to_slot"),
                      view_of(slot_to_token, fn, "slot_to_token"), tile_volume, first_token,
-                     view_of(out, fn, "out"), at::get_num_threads(), stream_of(fine));
-    return out;
+                     view_of(result, fn, "out"), at::get_num_threads(), stream_of(fine));
+    return result;
   });
+}
+
+Tensor vsa_combine_rows_kernel(const Tensor& fine, const Tensor& coarse, const OptTensor& gate,
+                               const Tensor& token_to_slot, const Tensor& slot_to_token,
+                               int64_t tile_volume, int64_t first_token) {
+  return combine_rows("vidattn.vsa_combine_rows", nullptr, fine, coarse, gate, token_to_slot,
+                      slot_to_token, tile_volume, first_token);
 }
 
 Tensor vsa_combine_rows_meta(const Tensor& fine, const Tensor&, const OptTensor&, const Tensor&,
@@ -178,16 +186,8 @@ void vsa_combine_rows_into_kernel(const Tensor& out, const Tensor& fine, const T
                                   const OptTensor& gate, const Tensor& token_to_slot,
                                   const Tensor& slot_to_token, int64_t tile_volume,
                                   int64_t first_token) {
-  constexpr const char* fn = "vidattn.vsa_combine_rows_into";
-  const at::OptionalDeviceGuard device_guard(at::device_of(fine));
-  require_int32(token_to_slot, fn, "token_to_slot");
-  require_int32(slot_to_token, fn, "slot_to_token");
-  translate_errors([&] {
-    vsa_combine_rows(view_of(fine, fn, "fine"), view_of(coarse, fn, "coarse"),
-                     view_of(gate, fn, "gate"), view_of(token_to_slot, fn, "token_to_slot"),
-                     view_of(slot_to_token, fn, "slot_to_token"), tile_volume, first_token,
-                     view_of(out, fn, "out"), at::get_num_threads(), stream_of(fine));
-  });
+  combine_rows("vidattn.vsa_combine_rows_into", &out, fine, coarse, gate, token_to_slot,
+               slot_to_token, tile_volume, first_token);
 }
 
 void vsa_combine_rows_into_meta(const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
