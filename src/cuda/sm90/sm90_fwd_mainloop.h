@@ -256,7 +256,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
 
     // Block 0: S, softmax; its P V product is issued together with block 1's S.
     Barrier::wait(&st.k_full[ring.stage], ring.phase);
-    KeyBlock kb = landed_block(0, ring.stage);
+    const KeyBlock kb = landed_block(0, ring.stage);
     turns.wait_turn();
     warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, ring.stage), tSrS, true);
     turns.pass_turn();
@@ -271,9 +271,14 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     ring.advance();
     v_ring.advance();
 
-    for (int i = 1; i < n; ++i) {
+    // Block i: its S and the P V product of block i - 1 are issued together; the softmax of
+    // block i runs while that P V product does. kMask: 0 never masks (no mask code in the
+    // loop that runs most blocks: fewer live registers), 1 always, 2 as the block says.
+    auto step = [&](int i, auto kMask) __attribute__((always_inline)) {
+      constexpr int kMaskMode = decltype(kMask)::value;
       Barrier::wait(&st.k_full[ring.stage], ring.phase);
-      kb = landed_block(i, ring.stage);
+      KeyBlock b;
+      if constexpr (kMaskMode != 0) b = landed_block(i, ring.stage);
       Barrier::wait(&st.v_full[prev.stage], prev.phase);
       turns.wait_turn();
       warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, ring.stage), tSrS, true);
@@ -284,7 +289,9 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       warpgroup_fence_operand(tSrS);
       Barrier::arrive(&st.k_empty[ring.stage]);
       if (i == n - 1) Barrier::arrive(&st.q_empty);
-      if (kb.needs_mask) apply_mask(tSrS, tScS, visit, kb, t.q0);
+      if constexpr (kMaskMode == 1) apply_mask(tSrS, tScS, visit, b, t.q0);
+      if constexpr (kMaskMode == 2)
+        if (b.needs_mask) apply_mask(tSrS, tScS, visit, b, t.q0);
       const bool moved = softmax.template update<false>(tSrS, alpha);
       warpgroup_wait<0>();  // P V of block i - 1 done: O and P are free
       warpgroup_fence_operand(tOrO);
@@ -296,6 +303,14 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       prev = v_ring;
       ring.advance();
       v_ring.advance();
+    };
+    if constexpr (Visit::kMaskedSuffix) {
+      const int unmasked_end = min(visit.first_masked_block(), n);
+      int i = 1;
+      for (; i < unmasked_end; ++i) step(i, cute::Int<0>{});
+      for (; i < n; ++i) step(i, cute::Int<1>{});
+    } else {
+      for (int i = 1; i < n; ++i) step(i, cute::Int<2>{});
     }
     Barrier::wait(&st.v_full[prev.stage], prev.phase);
     turns.wait_turn();

@@ -34,6 +34,9 @@ template <int kBlockN>
 struct DenseKeyRange {
   static constexpr bool kElementMask = true;  // causal / key padding possible
   static constexpr bool kProducerRecordsBlocks = false;  // block(i) is arithmetic
+  // Which blocks need the mask is known before the loop (first_masked_block): the mainloop
+  // runs the unmasked ones in a loop without any mask code.
+  static constexpr bool kMaskedSuffix = true;
   static constexpr bool kHalves = false;
   static constexpr int kBlockKeys = kBlockN;
   std::int64_t len_q = 0, len_k = 0, k_end = 0;
@@ -56,6 +59,20 @@ struct DenseKeyRange {
   }
   __device__ __forceinline__ int num_blocks() const {
     return static_cast<int>((k_end + kBlockN - 1) / kBlockN);
+  }
+  // Blocks [0, first_masked_block()) need no mask and every later one does (block(i).needs_mask
+  // is monotone in i): a key mask masks every block, a partial last block starts at
+  // len_k / kBlockN, and the causal diagonal at the first block whose last key passes the
+  // tile's first row's limit d = q0 + len_k - len_q.
+  __device__ __forceinline__ int first_masked_block() const {
+    if (key_mask != nullptr) return 0;
+    std::int64_t first = len_k / kBlockN;
+    if (causal) {
+      const std::int64_t d1 = q0 + len_k - len_q + 1;
+      const std::int64_t diag = d1 <= 0 ? 0 : d1 / kBlockN;
+      first = diag < first ? diag : first;
+    }
+    return static_cast<int>(first);
   }
   __device__ __forceinline__ KeyBlock block(int i) const {
     KeyBlock b;
@@ -80,6 +97,8 @@ struct SparseKeyList {
   // block(i) reads the index (and block sizes) from global memory: the producer, which
   // needs it for the load anyway, records each block's valid length in shared memory.
   static constexpr bool kProducerRecordsBlocks = true;
+  // Any block of the list may be partial: the mainloop checks each one.
+  static constexpr bool kMaskedSuffix = false;
   // Blocks of two key tiles of kBlockN / 2 slots (tile_volume == kBlockN / 2): list entries
   // 2i and 2i + 1; an odd list's last block repeats its tile in the second half, all masked
   // (the rows loaded are real keys, so the masked products stay finite).

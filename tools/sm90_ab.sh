@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# A/B runs of kernel switches on one GPU: tools/bench_dense_cuda.py, vidattn's forward only
+# (dense rows and the sm_90a block-sparse rows), once per setting and round, the settings
+# alternating within each round so that clock and thermal drift reach all of them alike.
+#   OUT=dir ROUNDS=2 bash tools/sm90_ab.sh "-" "VIDATTN_SM90_HD128_BLOCKN=176" ...
+# A setting is "-" (no variable) or space-separated VAR=value pairs. Writes
+# $OUT/ab_<setting index>_<round>.json and prints every row's TFLOP/s per setting and round.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$(pwd)/ab-run}
+ROUNDS=${ROUNDS:-2}
+mkdir -p "$OUT"
+settings=("$@")
+for ((r = 1; r <= ROUNDS; ++r)); do
+  for i in "${!settings[@]}"; do
+    s=${settings[$i]}
+    [[ $s == "-" ]] && s=""
+    # shellcheck disable=SC2086  # the setting is a list of VAR=value words
+    env BENCH_OURS_ONLY=1 $s timeout "${AB_TIMEOUT:-90}" python3 tools/bench_dense_cuda.py \
+      "$OUT/ab_${i}_${r}.json" >"$OUT/ab_${i}_${r}.log" 2>&1 || echo "setting $i round $r failed"
+  done
+done
+python3 - "$OUT" "$ROUNDS" "${settings[@]}" <<'EOF'
+import json, os, sys
+out, rounds, settings = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+table = {}
+for i, s in enumerate(settings):
+    for r in range(1, rounds + 1):
+        path = os.path.join(out, f"ab_{i}_{r}.json")
+        if not os.path.exists(path):
+            continue
+        data = json.load(open(path))
+        for row in data["rows"]:
+            key = f"{row['shape']} {'causal' if row['causal'] else 'full'}"
+            table.setdefault(key, {}).setdefault(s, []).append(row.get("vidattn_fwd"))
+        for row in data["sparse_rows"]:
+            key = f"sparse {row['shape']} tile {row['tile']} s {row['sparsity']}"
+            table.setdefault(key, {}).setdefault(s, []).append(row.get("sparse_fwd"))
+for key, per in table.items():
+    print(key)
+    for s in settings:
+        vals = per.get(s, [])
+        print(f"   {s:<48} " + " ".join(f"{v:7.1f}" if v else "    nan" for v in vals))
+EOF
