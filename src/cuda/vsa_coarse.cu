@@ -12,11 +12,17 @@
 // aligned rows, else from register-tiled SIMT products over shared-memory slices of q and k
 // (fp32 accumulation, fp64 for fp64); the two differ only in how the fp32 sums are ordered and
 // rounded (the products of 16-bit floats are exact in fp32).
+// The tensor-core path's default (v3, vsa_select_topk_bins_kernel) replaces the per-row radix
+// passes with value bins filled while scoring and one pass per row (see its comment);
+// VIDATTN_TOPK_IMPL=v2 keeps the radix-select kernel, with identical results.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "dtype_io.cuh"
@@ -726,6 +732,407 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
   select_rows<kMmaWarps>(p, scores, k_cap, kmin, row_k0, row_n, t0, rows, hist);
 }
 
+// ---- top-k selection v3: value bins built while scoring, one pass per row -------------------
+//
+// Why: in v2 (above) each row costs four 8-bit radix passes over its scores (each a histogram
+// clear, an order_key per element, shared atomics that pile onto 2-4 bins in the first pass
+// because all scores share their sign and top exponent bits, a 256-bin scan) plus an
+// index-ordered compaction pass: about 5 full passes of 10-15 instructions per element, and
+// 8 query tiles per CTA at Wan 480p made every CTA stream all of k from L2 for few rows.
+// v3 keeps the tensor-core scores (the same mma sequence, so bit-identical fp32 scores) and
+// the exact selection rule, and cuts the per-row work to one pass over the row:
+//  1. Sample: before the main product every warp scores 8 of 64 key tiles spread over the
+//     CTA's key range; per row the min / max of the finite sampled scores define 256 linear
+//     value bins over [min - r/8, max + r/8] (r = max - min). The sample only tunes the bins'
+//     resolution: any lo / scale give a correct selection (3.).
+//  2. The product's epilogue stores the canonical score (NaN -> -inf, -0 -> +0, so plain
+//     float comparisons order exactly like order_key) and adds it to its row's histogram of
+//     value bins (shared atomics spread over 256 bins x 16 rows: no pile-up). This work hides
+//     in the L2 latency of the key stream.
+//  3. value_bin is monotone non-decreasing in the value (fsub / fmul by a scale >= 0 round
+//     monotonically, fmax / fmin / truncation keep order; NaN from inf * 0 clamps to bin 0,
+//     which is also where every smaller value goes). So every score in a bin above the
+//     threshold bin (the bin holding the k-th largest) beats every score in it, and every
+//     score in a bin below loses: the top-k is all of the higher bins plus the top `need`
+//     of the threshold bin's `cnt` candidates, by (value desc, index asc).
+//  4. Per row (one warp): a 256-bin scan finds the threshold bin; then ONE pass over the row
+//     computes each score's bin again (same function, same lo / scale, same float: the same
+//     bin), stages the indices of the kept scores (higher bins and candidates) in index order
+//     in place over the row's own scores (a compaction never writes past what it has read),
+//     and copies the candidates' values to a small per-warp list. The candidates rank
+//     themselves exactly (cnt <= 64, typically a handful: for Gaussian-like rows ~0.5% of the
+//     row falls in one bin), and a pass over the ~k staged entries writes the output in index
+//     order. Rows with more than 64 candidates (many ties, all-equal or NaN rows, degenerate
+//     ranges) take v2's radix select on the same scores: exact, only slower.
+// Per element of a row this is ~20 warp instructions once instead of ~70 over five passes,
+// and 16 query tiles per CTA (v2 took 8 at Wan 480p) halve the key traffic from L2.
+constexpr int kBins = 256;          // value bins per row (the scan of warp_select_row)
+constexpr int kCandMax = 64;        // threshold-bin candidates ranked in the fast path
+constexpr int kSampleKeys = 8 * kMmaWarps;  // one 8-key mma group per warp
+constexpr int kStageBatch = 4;      // 32-element chunks loaded before any is staged
+
+// The score as the selection compares it: order_key(a) < order_key(b) <=> a' < b' for the
+// canonical values a', b' (NaN as -inf, -0 as +0), and key equality is float equality.
+__device__ __forceinline__ float canonical_score(float v) {
+  if (v != v) v = -INFINITY;
+  if (v == 0.0f) v = 0.0f;
+  return v;
+}
+
+// Monotone non-decreasing in v for any finite lo and any scale >= 0 (inf included): see 3.
+// The _rn intrinsics keep the compiler from contracting the two steps into an fma, so the
+// epilogue and the selection compute the same bin.
+__device__ __forceinline__ int value_bin(float v, float lo, float scale) {
+  float x = __fmul_rn(__fsub_rn(v, lo), scale);
+  x = fmaxf(x, 0.0f);  // fmaxf(NaN, 0) = 0
+  x = fminf(x, float(kBins - 1));
+  return __float2int_rz(x);
+}
+
+// Inverse of order_key for finite floats.
+__device__ __forceinline__ float finite_from_key(std::uint32_t key) {
+  return __uint_as_float((key & 0x80000000u) ? (key & 0x7fffffffu) : ~key);
+}
+
+// Bin parameters of one row from its sampled finite extremes (lo_key > hi_key: none sampled).
+// Degenerate ranges give scale 0 (one bin: the exact fallback takes the row).
+__device__ __forceinline__ void bin_params(std::uint32_t lo_key, std::uint32_t hi_key, float* lo,
+                                           float* scale) {
+  *lo = 0.0f;
+  *scale = 0.0f;
+  if (lo_key > hi_key) return;
+  const float a = finite_from_key(lo_key), b = finite_from_key(hi_key);
+  const float range = __fsub_rn(b, a);
+  const float margin = __fmul_rn(range, 0.125f);
+  const float span = __fadd_rn(range, __fmul_rn(margin, 2.0f));
+  const float base = __fsub_rn(a, margin);
+  *lo = a;
+  if (!(span > 0.0f) || !(span <= FLT_MAX) || !(base >= -FLT_MAX)) return;
+  *lo = base;
+  *scale = __fdiv_rn(float(kBins - 1), span);
+}
+
+std::size_t topk_bins_row_stride(std::int64_t k_tiles) {
+  // A multiple of 32 words plus 8: the epilogue's stores from the 8 rows of an mma fragment
+  // land in different banks (2-way at most; a stride of 0 mod 32, like k_tiles = 1440 in v2,
+  // is 8-way).
+  return std::size_t((k_tiles + 31) / 32 * 32 + 8);
+}
+
+std::size_t topk_bins_smem_bytes(int rows, std::int64_t k_tiles) {
+  return sizeof(float) * (std::size_t(rows) * topk_bins_row_stride(k_tiles) +
+                          std::size_t(kMmaWarps) * kCandMax) +
+         sizeof(int) * (std::size_t(rows) * kBins + 6 * kRowsMax);
+}
+
+// One warp writes the top `k` of the canonical scores row[0 .. n) as `offset + j`, ascending,
+// into out[0, k) and -1 into out[k, max_k); hist is the row's histogram of value bins (it is
+// also the scratch of the fallback), cand the warp's kCandMax floats. Overwrites row.
+__device__ void bins_select_row(float* row, int n, int k, int max_k, int offset,
+                                std::int32_t* out, std::int64_t out_stride, int* hist,
+                                float* cand, float lo, float scale) {
+  const int lane = threadIdx.x & 31;
+  if (k >= n || k <= 0) {  // everything or nothing: no ranking needed
+    const int take = k <= 0 ? 0 : n;
+    for (int slot = lane; slot < max_k; slot += 32)
+      out[slot * out_stride] = slot < take ? offset + slot : -1;
+    return;
+  }
+  // The threshold bin (holding the k-th largest): lane L owns bins [8L, 8L + 8).
+  int c[8], local = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) local += (c[i] = hist[lane * 8 + i]);
+  int inclusive = local;  // counts of this lane's bins and every higher lane's
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int v = __shfl_down_sync(0xffffffffu, inclusive, off);
+    if (lane + off < 32) inclusive += v;
+  }
+  const int above_lane = inclusive - local;
+  const unsigned owner = __ballot_sync(0xffffffffu, above_lane < k && k <= inclusive);
+  const int src = __ffs(owner) - 1;
+  int bin = 0, need = k, cnt = 0;
+  if (lane == src) {
+    int cum = above_lane;
+    for (int i = 7; i >= 0; --i) {
+      if (cum + c[i] >= k) {
+        bin = lane * 8 + i;
+        need = k - cum;
+        cnt = c[i];
+        break;
+      }
+      cum += c[i];
+    }
+  }
+  bin = __shfl_sync(0xffffffffu, bin, src);
+  need = __shfl_sync(0xffffffffu, need, src);
+  cnt = __shfl_sync(0xffffffffu, cnt, src);
+  __syncwarp();  // every lane has read hist before the fallback reuses it
+  if (cnt > kCandMax) {
+    warp_select_row<float>([row](int j) { return row[j]; }, n, k, max_k, offset, out, out_stride,
+                           hist);
+    return;
+  }
+  // One pass: stage kept indices (bit 31 marks a candidate) in place, candidates' values to
+  // cand. Stores go to positions below the end of the loaded batch, never past what is read.
+  const unsigned lower = (1u << lane) - 1u;
+  int kept = 0, seen = 0;
+  for (int base = 0; base < n; base += 32 * kStageBatch) {
+    float v[kStageBatch];
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int j = base + 32 * u + lane;
+      v[u] = j < n ? row[j] : 0.0f;
+    }
+#pragma unroll
+    for (int u = 0; u < kStageBatch; ++u) {
+      const int j = base + 32 * u + lane;
+      const int b = value_bin(v[u], lo, scale);
+      const bool keep = j < n && b >= bin, eq = j < n && b == bin;
+      const unsigned keep_bits = __ballot_sync(0xffffffffu, keep);
+      const unsigned eq_bits = __ballot_sync(0xffffffffu, eq);
+      if (keep)
+        row[kept + __popc(keep_bits & lower)] =
+            __int_as_float(int(unsigned(j) | (eq ? 0x80000000u : 0u)));
+      if (eq) {
+        const int pos = seen + __popc(eq_bits & lower);
+        if (pos < kCandMax) cand[pos] = v[u];
+      }
+      kept += __popc(keep_bits);
+      seen += __popc(eq_bits);
+    }
+  }
+  __syncwarp();
+  // Rank the candidates (index order = list order): candidate m is taken when fewer than
+  // `need` candidates beat it (larger, or equal with a lower index).
+  const float c0 = lane < cnt ? cand[lane] : 0.0f;
+  const float c1 = lane + 32 < cnt ? cand[lane + 32] : 0.0f;
+  int beat0 = 0, beat1 = 0;
+  for (int m = 0; m < cnt; ++m) {
+    const float x = cand[m];
+    beat0 += (x > c0 || (x == c0 && m < lane)) ? 1 : 0;
+    beat1 += (x > c1 || (x == c1 && m < lane + 32)) ? 1 : 0;
+  }
+  const unsigned taken_lo = __ballot_sync(0xffffffffu, lane < cnt && beat0 < need);
+  const unsigned taken_hi = __ballot_sync(0xffffffffu, lane + 32 < cnt && beat1 < need);
+  // The staged entries in index order: higher-bin scores always, candidates when taken.
+  int written = 0, cand_seen = 0;
+  for (int base = 0; base < kept; base += 32) {
+    const int s = base + lane;
+    const int e = s < kept ? __float_as_int(row[s]) : 0;
+    const bool is_cand = e < 0;
+    const unsigned cand_bits = __ballot_sync(0xffffffffu, is_cand);
+    const int ord = cand_seen + __popc(cand_bits & lower);
+    const unsigned taken_bit =
+        ord < 32 ? (taken_lo >> ord) & 1u : (ord < 64 ? (taken_hi >> (ord - 32)) & 1u : 0u);
+    const bool take = s < kept && (!is_cand || taken_bit);
+    const unsigned take_bits = __ballot_sync(0xffffffffu, take);
+    if (take) out[(written + __popc(take_bits & lower)) * out_stride] = offset + (e & 0x7fffffff);
+    written += __popc(take_bits);
+    cand_seen += __popc(cand_bits);
+  }
+  for (int slot = k + lane; slot < max_k; slot += 32) out[slot * out_stride] = -1;
+}
+
+// v3 of the tensor-core selection (the default; VIDATTN_TOPK_IMPL=v2 selects the kernel above).
+// Same CTA shape, operand layout and mma sequence as vsa_select_topk_mma_kernel, so the same
+// fp32 scores; plus the sample (1.), the binned epilogue (2.) and bins_select_row (4.).
+// `stride` is the row stride of the scores in shared memory (topk_bins_row_stride).
+template <class T, int kD>
+__global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
+    vsa_select_topk_bins_kernel(VsaTopkLaunch p, int rows, int stride) {
+  static_assert(kD % 32 == 0, "the head dim is consumed in 32-wide slices");
+  constexpr int kSlices = kD / 32;
+  constexpr int kGroups = mma_key_groups<kD>();
+  constexpr int kKeysPerStep = 8 * kGroups;
+  extern __shared__ __align__(16) unsigned char smem[];
+  float* scores = reinterpret_cast<float*>(smem);                    // [rows][stride]
+  float* cand = scores + std::int64_t(rows) * stride;                // [8][kCandMax]
+  int* hist = reinterpret_cast<int*>(cand + kMmaWarps * kCandMax);   // [rows][kBins]
+  int* row_k0 = hist + rows * kBins;
+  int* row_n = row_k0 + kRowsMax;
+  auto* row_lo_key = reinterpret_cast<unsigned*>(row_n + kRowsMax);
+  auto* row_hi_key = row_lo_key + kRowsMax;
+  auto* row_bin_lo = reinterpret_cast<float*>(row_hi_key + kRowsMax);
+  float* row_bin_scale = row_bin_lo + kRowsMax;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, q4 = lane & 3;
+  const std::int64_t t0 = std::int64_t(blockIdx.x) * rows;
+  const std::int64_t h = blockIdx.y, b = blockIdx.z;
+  const std::int64_t hk = h / (p.heads_q / p.heads_kv);
+  const auto* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[2];
+  const auto* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[2];
+
+  record_row_ranges(p, t0, rows, row_k0, row_n);
+  for (int i = tid; i < rows * kBins; i += kMmaThreads) hist[i] = 0;
+  if (tid < kRowsMax) {
+    row_lo_key[tid] = 0xffffffffu;
+    row_hi_key[tid] = 0u;
+  }
+  std::uint32_t a[2 * kSlices][4];
+  {
+    const bool lo_ok = g < rows && t0 + g < p.q_tiles;
+    const bool hi_ok = g + 8 < rows && t0 + g + 8 < p.q_tiles;
+    const T* q_lo = q + (t0 + g) * p.q_stride[1] + 8 * q4;
+    const T* q_hi = q + (t0 + g + 8) * p.q_stride[1] + 8 * q4;
+#pragma unroll
+    for (int c = 0; c < kSlices; ++c) {
+      const uint4 lo = lo_ok ? __ldg(reinterpret_cast<const uint4*>(q_lo + 32 * c))
+                             : make_uint4(0, 0, 0, 0);
+      const uint4 hi = hi_ok ? __ldg(reinterpret_cast<const uint4*>(q_hi + 32 * c))
+                             : make_uint4(0, 0, 0, 0);
+      a[2 * c][0] = lo.x;
+      a[2 * c][1] = hi.x;
+      a[2 * c][2] = lo.y;
+      a[2 * c][3] = hi.y;
+      a[2 * c + 1][0] = lo.z;
+      a[2 * c + 1][1] = hi.z;
+      a[2 * c + 1][2] = lo.w;
+      a[2 * c + 1][3] = hi.w;
+    }
+  }
+  __syncthreads();
+  int kmin, kmax;
+  key_range_union(row_k0, row_n, rows, &kmin, &kmax);
+  // This lane's two rows (g, g + 8) and their key ranges: a CTA that straddles videos scores
+  // the union of its rows' ranges, but a row's histogram counts its own range only.
+  const bool row_lo = g < rows, row_hi = g + 8 < rows;
+  const int lo_begin = row_k0[g], lo_end = lo_begin + row_n[g];
+  const int hi_begin = row_k0[g + 8], hi_end = hi_begin + row_n[g + 8];
+  const float scale = float(p.scale);
+
+  auto load_keys = [&](int base, uint4 (&kv)[kGroups][kSlices]) {
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j) {
+      const int key = base + 8 * j + g;
+      const T* src = k + std::int64_t(key) * p.k_stride[1] + 8 * q4;
+#pragma unroll
+      for (int c = 0; c < kSlices; ++c)
+        kv[j][c] = key < kmax ? __ldg(reinterpret_cast<const uint4*>(src + 32 * c))
+                              : make_uint4(0, 0, 0, 0);
+    }
+  };
+  constexpr bool kPrefetch = kD <= 128;
+  constexpr int kWarpStride = kMmaWarps * kKeysPerStep;
+  uint4 kv[kGroups][kSlices];
+  // The main loop's first keys are in flight during the sample.
+  if constexpr (kPrefetch) load_keys(kmin + warp * kKeysPerStep, kv);
+
+  // 1. The sample: sample s is key kmin + s * (kmax - kmin) / kSampleKeys.
+  const int span = kmax - kmin;
+  if (span > 0) {
+    auto sample_key = [&](int s) { return kmin + int(std::int64_t(s) * span / kSampleKeys); };
+    uint4 sv[kSlices];
+    const T* src = k + std::int64_t(sample_key(warp * 8 + g)) * p.k_stride[1] + 8 * q4;
+#pragma unroll
+    for (int c = 0; c < kSlices; ++c) sv[c] = __ldg(reinterpret_cast<const uint4*>(src + 32 * c));
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+    for (int c = 0; c < kSlices; ++c) {
+      cuda_sm80::Mma<T>::run(acc, a[2 * c], sv[c].x, sv[c].y);
+      cuda_sm80::Mma<T>::run(acc, a[2 * c + 1], sv[c].z, sv[c].w);
+    }
+    std::uint32_t mn_lo = 0xffffffffu, mx_lo = 0u, mn_hi = 0xffffffffu, mx_hi = 0u;
+#pragma unroll
+    for (int col = 0; col < 2; ++col) {
+      const int key = sample_key(warp * 8 + 2 * q4 + col);
+      const float v_lo = acc[col] * scale, v_hi = acc[2 + col] * scale;
+      if (key >= lo_begin && key < lo_end && fabsf(v_lo) <= FLT_MAX) {
+        const std::uint32_t kk = order_key(v_lo);
+        mn_lo = min(mn_lo, kk);
+        mx_lo = max(mx_lo, kk);
+      }
+      if (key >= hi_begin && key < hi_end && fabsf(v_hi) <= FLT_MAX) {
+        const std::uint32_t kk = order_key(v_hi);
+        mn_hi = min(mn_hi, kk);
+        mx_hi = max(mx_hi, kk);
+      }
+    }
+#pragma unroll
+    for (int off = 1; off < 4; off <<= 1) {  // the 4 lanes of a row
+      mn_lo = min(mn_lo, __shfl_xor_sync(0xffffffffu, mn_lo, off));
+      mx_lo = max(mx_lo, __shfl_xor_sync(0xffffffffu, mx_lo, off));
+      mn_hi = min(mn_hi, __shfl_xor_sync(0xffffffffu, mn_hi, off));
+      mx_hi = max(mx_hi, __shfl_xor_sync(0xffffffffu, mx_hi, off));
+    }
+    if (q4 == 0) {
+      if (mn_lo <= mx_lo) {
+        atomicMin(&row_lo_key[g], mn_lo);
+        atomicMax(&row_hi_key[g], mx_lo);
+      }
+      if (mn_hi <= mx_hi) {
+        atomicMin(&row_lo_key[g + 8], mn_hi);
+        atomicMax(&row_hi_key[g + 8], mx_hi);
+      }
+    }
+  }
+  __syncthreads();
+  if (tid < kRowsMax) bin_params(row_lo_key[tid], row_hi_key[tid], &row_bin_lo[tid], &row_bin_scale[tid]);
+  __syncthreads();
+  const float bin_lo_lo = row_bin_lo[g], bin_scale_lo = row_bin_scale[g];
+  const float bin_lo_hi = row_bin_lo[g + 8], bin_scale_hi = row_bin_scale[g + 8];
+
+  // 2. The product with the binned epilogue.
+  for (int base = kmin + warp * kKeysPerStep; base < kmax; base += kWarpStride) {
+    uint4 next[kGroups][kSlices];
+    if constexpr (kPrefetch) load_keys(base + kWarpStride, next);
+    else load_keys(base, kv);
+    float acc[kGroups][4];
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kSlices; ++c)
+#pragma unroll
+      for (int j = 0; j < kGroups; ++j) {
+        cuda_sm80::Mma<T>::run(acc[j], a[2 * c], kv[j][c].x, kv[j][c].y);
+        cuda_sm80::Mma<T>::run(acc[j], a[2 * c + 1], kv[j][c].z, kv[j][c].w);
+      }
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j)
+#pragma unroll
+      for (int col = 0; col < 2; ++col) {
+        const int key = base + 8 * j + 2 * q4 + col;
+        if (key < kmax) {
+          if (row_lo) {
+            const float v = canonical_score(acc[j][col] * scale);
+            scores[std::int64_t(g) * stride + (key - kmin)] = v;
+            if (key >= lo_begin && key < lo_end)
+              atomicAdd(&hist[g * kBins + value_bin(v, bin_lo_lo, bin_scale_lo)], 1);
+          }
+          if (row_hi) {
+            const float v = canonical_score(acc[j][2 + col] * scale);
+            scores[std::int64_t(g + 8) * stride + (key - kmin)] = v;
+            if (key >= hi_begin && key < hi_end)
+              atomicAdd(&hist[(g + 8) * kBins + value_bin(v, bin_lo_hi, bin_scale_hi)], 1);
+          }
+        }
+      }
+    if constexpr (kPrefetch) {
+#pragma unroll
+      for (int j = 0; j < kGroups; ++j)
+#pragma unroll
+        for (int c = 0; c < kSlices; ++c) kv[j][c] = next[j][c];
+    }
+  }
+  __syncthreads();
+  // 4. One warp per row.
+  for (int r = warp; r < rows; r += kMmaWarps) {
+    const std::int64_t t = t0 + r;
+    if (t >= p.q_tiles) break;
+    const int n = row_n[r], want = row_topk(p, n);
+    std::int32_t* out =
+        p.index + b * p.index_stride[0] + h * p.index_stride[1] + t * p.index_stride[2];
+    bins_select_row(scores + std::int64_t(r) * stride + (row_k0[r] - kmin), n, want,
+                    int(p.max_k), row_k0[r], out, p.index_stride[3], hist + r * kBins,
+                    cand + warp * kCandMax, row_bin_lo[r], row_bin_scale[r]);
+    if (lane == 0)
+      p.count[b * p.count_stride[0] + h * p.count_stride[1] + t * p.count_stride[2]] = want;
+  }
+}
+
 // One warp per row of given scores, read straight from global memory (L1/L2 serve the passes).
 template <class T>
 __global__ void __launch_bounds__(kTopkThreads) vsa_topk_from_scores_kernel(VsaTopkLaunch p) {
@@ -743,6 +1150,16 @@ __global__ void __launch_bounds__(kTopkThreads) vsa_topk_from_scores_kernel(VsaT
   warp_select_row<Acc>([row](int j) { return Io<T>::template load<Acc>(row[j]); }, n, want,
                        int(p.max_k), 0, out, p.index_stride[3], hist[warp]);
   if (lane == 0) p.count[b * p.count_stride[0] + h * p.count_stride[1] + t * p.count_stride[2]] = want;
+}
+
+// VIDATTN_TOPK_IMPL=v2 selects the previous tensor-core selection kernel (for A/B timing in
+// one process); read once.
+bool topk_impl_v2() {
+  static const bool v2 = [] {
+    const char* impl = std::getenv("VIDATTN_TOPK_IMPL");
+    return impl != nullptr && std::strcmp(impl, "v2") == 0;
+  }();
+  return v2;
 }
 
 bool aligned(const void* ptr, std::int64_t bytes) {
@@ -858,6 +1275,46 @@ const char* launch_vsa_select_topk(const VsaTopkLaunch& p, bool* error_is_limit)
   for (int d = 0; d < 3 && mma_aligned; ++d)
     mma_aligned = p.q_stride[d] % 8 == 0 && p.k_stride[d] % 8 == 0;
   if (mma_dtype && mma_dim && mma_aligned) {
+    if (!topk_impl_v2()) {
+      // v3: 16 query tiles per CTA unless the grid would not cover the SMs (v2 halved below
+      // 4 CTAs per SM, which at Wan 480p doubled the key traffic from L2). When its rows of
+      // scores do not fit even for one query tile (its row stride is padded), v2 runs.
+      const bool few = ((p.q_tiles + kRowsMax - 1) / kRowsMax) * p.heads_q * p.batch < sms;
+      int rows = few ? kRowsMax / 2 : kRowsMax;
+      while (rows > 1 && topk_bins_smem_bytes(rows, p.k_tiles) > std::size_t(max_smem)) rows /= 2;
+      const std::size_t bytes = topk_bins_smem_bytes(rows, p.k_tiles);
+      if (bytes <= std::size_t(max_smem)) {
+        const int stride = int(topk_bins_row_stride(p.k_tiles));
+        auto launch = [&](auto kernel) {
+          // Two CTAs of 16 rows x 1448 key tiles (Wan 720p) need the largest carveout.
+          if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   int(bytes)) != cudaSuccess ||
+              cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                   int(cudaSharedmemCarveoutMaxShared)) != cudaSuccess) {
+            error = last_error();
+            if (!error) error = "cudaFuncSetAttribute failed";
+            return;
+          }
+          const dim3 grid(unsigned((p.q_tiles + rows - 1) / rows), unsigned(p.heads_q),
+                          unsigned(p.batch));
+          kernel<<<grid, kMmaThreads, bytes, static_cast<cudaStream_t>(p.stream)>>>(p, rows,
+                                                                                    stride);
+          error = last_error();
+        };
+        auto by_dim = [&](auto tag) {
+          using T = decltype(tag);
+          switch (p.head_dim) {
+            case 32: return launch(vsa_select_topk_bins_kernel<T, 32>);
+            case 64: return launch(vsa_select_topk_bins_kernel<T, 64>);
+            case 128: return launch(vsa_select_topk_bins_kernel<T, 128>);
+            default: return launch(vsa_select_topk_bins_kernel<T, 256>);
+          }
+        };
+        if (p.dtype == 1) by_dim(__half{});
+        else by_dim(__nv_bfloat16{});
+        return error;
+      }
+    }
     int rows = half ? kRowsMax / 2 : kRowsMax;
     while (rows > 1 && topk_mma_smem_bytes(rows, p.k_tiles) > std::size_t(max_smem)) rows /= 2;
     const std::size_t bytes = topk_mma_smem_bytes(rows, p.k_tiles);

@@ -239,6 +239,124 @@ def test_topk_tiles_nan_and_inf_on_the_tensor_core_path(dtype):
     assert ((idx[..., 1:] > idx[..., :-1]).all())
 
 
+# The tensor-core selection (bf16 / fp16, D in {32, 64, 128, 256}) bins each row's scores by
+# value while it computes them (v3, the default; VIDATTN_TOPK_IMPL=v2 selects the radix-only
+# kernel) and ranks only the threshold bin's candidates, falling back to the radix select when
+# a bin holds more than 64. Integer-valued inputs with D = 64 (scale 1/8) make every score exact
+# in fp32 whatever the summation order, so these rows must equal the CPU op bit for bit: ties
+# around the threshold, all-equal rows, NaN / +-inf / signed-zero rows, a huge outlier that
+# squeezes a row into one bin (candidate overflow), k = 1, k = n - 1, k = n.
+
+def integer_tensor(shape, seed, low, high, dtype):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, high + 1, shape, generator=g).to(dtype).cuda()
+
+
+def assert_topk_equals_cpu(qc, kc, topk, **kw):
+    poison_allocator(qc.shape[0] * qc.shape[2] * qc.shape[1] * min(topk, kc.shape[1]) * 4 + 4096)
+    idx, cnt = ops.topk_tiles(qc, kc, topk, **kw)
+    cpu_kw = {key: (v.cpu() if isinstance(v, torch.Tensor) else v) for key, v in kw.items()}
+    cidx, ccnt = ops.topk_tiles(qc.cpu(), kc.cpu(), topk, **cpu_kw)
+    assert torch.equal(cnt.cpu(), ccnt)
+    bad = (idx.cpu() != cidx).any(-1)
+    assert not bad.any(), f"{int(bad.sum())} rows differ from the CPU op, first at {bad.nonzero()[0].tolist()}"
+    return idx, cnt
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("Kt", [624, 1440, 97])
+@pytest.mark.parametrize("spread", [1, 3, 40])
+def test_topk_tiles_tensor_core_exact_ties(dtype, Kt, spread):
+    D, Qt = 64, 40
+    qc = integer_tensor((1, Qt, 2, D), Kt + spread, -spread, spread, dtype)
+    kc = integer_tensor((1, Kt, 1, D), Kt + spread + 1, -spread, spread, dtype)
+    qc[0, 1] = 0.0                      # all-equal row (zeros)
+    qc[0, 2] = float("nan")             # NaN row: the first tiles
+    qc[0, 3] = -0.0                     # signed zeros
+    qc[0, 4] = 1.0                      # all keys one large bin below an outlier:
+    kc[0, 7] = 60000.0 if dtype == torch.float16 else 1e30  # candidate overflow
+    kc[0, 11] = kc[0, 12]               # exact ties between tiles: the lower index first
+    kc[0, Kt - 1] = float("inf")        # inf scores (NaN where q is 0)
+    kc[0, Kt // 2, :, 3] = float("-inf")
+    for topk in (1, 2, 7, max(1, Kt // 10), Kt // 2, Kt - 1, Kt, Kt + 5):
+        assert_topk_equals_cpu(qc, kc, topk)
+    # The same with the scale's sign flipped (the bins' range reversed) and scale 1.
+    assert_topk_equals_cpu(qc, kc, max(1, Kt // 10), scale=-0.125)
+    assert_topk_equals_cpu(qc, kc, max(1, Kt // 10), scale=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_topk_tiles_tensor_core_exact_few_values(dtype):
+    # Rows taking only a few distinct values (thousands of ties in the threshold bin) and rows
+    # where one value repeats just around the k-th position.
+    D, Qt, Kt = 32, 33, 1440
+    qc = integer_tensor((2, Qt, 3, D), 70, 0, 1, dtype)
+    kc = integer_tensor((2, Kt, 3, D), 71, 0, 1, dtype)
+    kc[:, ::5] = kc[:, :1]              # every 5th tile equal to tile 0
+    for topk in (1, 144, 288, 1439):
+        assert_topk_equals_cpu(qc, kc, topk, scale=1.0)
+
+
+@pytest.mark.parametrize("sparsity", [None, 0.5, 0.9])
+def test_topk_tiles_tensor_core_exact_packed_videos(sparsity):
+    # Packed videos, tiny ones among them, so that CTAs of 16 query tiles straddle videos whose
+    # key ranges get few or no sampled keys; per-row topk from the sparsity and -1 padding.
+    grids_q = [(1, 1, 1), (5, 7, 9), (1, 1, 2), (2, 4, 4), (9, 10, 7), (1, 2, 1)]
+    grids_k = [(2, 4, 4), (9, 10, 7), (1, 1, 1), (1, 1, 1), (21, 30, 52), (3, 17, 5)]
+    tq = vidattn.VideoTiling(grids=grids_q, tile=(4, 4, 4), device="cuda")
+    tk = vidattn.VideoTiling(grids=grids_k, tile=(4, 4, 4), device="cuda")
+    D = 64
+    for dtype in (torch.bfloat16, torch.float16):
+        qc = integer_tensor((1, tq.num_tiles, 4, D), 80, -4, 4, dtype)
+        kc = integer_tensor((1, tk.num_tiles, 2, D), 81, -4, 4, dtype)
+        for topk in (1, 40, 700):
+            assert_topk_equals_cpu(qc, kc, topk, sparsity=sparsity, cu_tiles_q=tq.cu_tiles,
+                                   cu_tiles_k=tk.cu_tiles)
+
+
+V2_SCRIPT = r"""
+import sys, torch, vidattn
+args = torch.load(sys.argv[1])
+out = [torch.ops.vidattn.topk_tiles(q.cuda(), k.cuda(), topk, **kw) for (q, k, topk), kw in args]
+torch.save([(i.cpu(), c.cpu()) for i, c in out], sys.argv[2])
+"""
+
+
+def test_topk_tiles_default_equals_v2_kernel(tmp_path):
+    """The default tensor-core selection against VIDATTN_TOPK_IMPL=v2 (read once per process,
+    so v2 runs in a child process) on the same bf16 / fp16 inputs: the fp32 scores are the same
+    mma sequence, so the results must be identical, including near-ties, Gaussian and
+    heavy-tailed rows (the latter overflow the bins and take the fallback)."""
+    import os
+    import subprocess
+    import sys
+    cases = []
+    g = torch.Generator().manual_seed(90)
+    for Qt, Kt, H, D, topk, dtype in ((624, 624, 3, 128, 63, torch.bfloat16),
+                                      (1440, 1440, 1, 128, 144, torch.bfloat16),
+                                      (300, 517, 2, 64, 52, torch.float16),
+                                      (100, 1440, 1, 256, 144, torch.bfloat16),
+                                      (77, 333, 2, 32, 1, torch.float16)):
+        x = torch.randn((1, Qt * 64, H, D), generator=g).to(dtype) / 8
+        kc = torch.randn((1, Kt, H, D), generator=g).to(dtype)
+        qc = x.view(1, Qt, 64, H, D).float().mean(2).to(dtype)
+        cases.append(((qc, kc, topk), {}))
+        heavy = (torch.randn((1, Kt, H, D), generator=g) /
+                 torch.randn((1, Kt, 1, 1), generator=g).abs().clamp(min=1e-3)).to(dtype)
+        cases.append(((qc, heavy.clamp(-60000, 60000), topk), {}))
+        cases.append(((qc, kc, topk), dict(sparsity=0.9)))
+    cases = [((qc.cuda(), kc.cuda(), topk), kw) for (qc, kc, topk), kw in cases]
+    got = [ops.topk_tiles(*a, **kw) for a, kw in cases]
+    torch.save([((qc.cpu(), kc.cpu(), topk), kw) for (qc, kc, topk), kw in cases], tmp_path / "in.pt")
+    env = dict(os.environ, VIDATTN_TOPK_IMPL="v2")
+    subprocess.run([sys.executable, "-c", V2_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
+                   env=env, check=True)
+    want = torch.load(tmp_path / "out.pt")
+    for (idx, cnt), (widx, wcnt) in zip(got, want):
+        assert torch.equal(cnt.cpu(), wcnt)
+        assert torch.equal(idx.cpu(), widx)
+
+
 @pytest.mark.parametrize("sparsity", [None, 0.5, 0.9])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_topk_tiles_packed_videos(sparsity, dtype):
