@@ -25,16 +25,11 @@ template <class T>
 using CutlassElement =
     std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cutlass::bfloat16_t, cutlass::half_t>;
 
-// Dense: one 128-row stream of two warpgroups, 128-key blocks, two stages. (176-key blocks at
-// D = 128 spilled 300 bytes.)
+// Dense: one 128-row stream of two warpgroups, 128-key blocks, two stages, at D = 64 and 128.
+// Longer blocks (192 at D = 64; 144 to 176 at D = 128 with the extended wgmma shapes) were
+// slower once the unmasked blocks ran without mask code (docs/perf-notes.md, Hopper v11).
 template <class T, int D>
 using DenseTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2>;
-// Dense D = 64: 192-key blocks. The products are half as long as at D = 128 for the same
-// softmax work, so longer blocks amortise the per-block waits, row reductions and rescales
-// (H200: 399 -> 414 TFLOP/s at 2x16384x32, docs/perf-notes.md). VIDATTN_SM90_HD64_BLOCKN=128
-// (read once) selects DenseTraits' 128-key blocks instead, for A/B runs.
-template <class T>
-using Dense64LongTraits = FwdTraits<CutlassElement<T>, 64, 192, 2, 1, 2, 2>;
 // Block-sparse with 128 / 256-token tiles: 128-key blocks (a 256 tile is two).
 template <class T, int D>
 using Sparse128Traits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2>;
@@ -80,14 +75,6 @@ inline float rescale_slack() {
     return v != nullptr ? std::strtof(v, nullptr) : 8.f;
   }();
   return slack;
-}
-
-inline bool hd64_long_blocks() {
-  static const bool on = [] {
-    const char* v = std::getenv("VIDATTN_SM90_HD64_BLOCKN");
-    return v == nullptr || std::string_view(v) != "128";
-  }();
-  return on;
 }
 
 // The grid: one CTA per tile by default, a persistent grid of (SMs - sm_margin) CTAs when the
@@ -169,13 +156,6 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
 
 template <class T, int D>
 bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
-  if constexpr (D == 64) {
-    if (launch_detail::hd64_long_blocks()) {
-      using Long = launch_detail::Dense64LongTraits<T>;
-      return launch_detail::launch<Long, DenseKeyRange<Long::kBlockN>>(p, SparseKeyListArgs{},
-                                                                       stream);
-    }
-  }
   using Traits = launch_detail::DenseTraits<T, D>;
   return launch_detail::launch<Traits, DenseKeyRange<Traits::kBlockN>>(p, SparseKeyListArgs{},
                                                                        stream);
