@@ -626,6 +626,70 @@ std::size_t topk_mma_smem_bytes(int rows, std::int64_t k_tiles) {
          sizeof(int) * (kMmaWarps * 256 + 2 * kRowsMax);
 }
 
+// The A operand of the tensor-core scores: query tiles t0 + g and t0 + g + 8 of the CTA
+// (zeros for rows past `rows` or the last tile) in the register order described above; every
+// warp holds all 16 rows.
+template <class T, int kSlices>
+__device__ __forceinline__ void load_query_operand(const VsaTopkLaunch& p, const T* q,
+                                                   std::int64_t t0, int rows, int g, int q4,
+                                                   std::uint32_t (&a)[2 * kSlices][4]) {
+  const bool lo_ok = g < rows && t0 + g < p.q_tiles;
+  const bool hi_ok = g + 8 < rows && t0 + g + 8 < p.q_tiles;
+  const T* q_lo = q + (t0 + g) * p.q_stride[1] + 8 * q4;
+  const T* q_hi = q + (t0 + g + 8) * p.q_stride[1] + 8 * q4;
+#pragma unroll
+  for (int c = 0; c < kSlices; ++c) {
+    const uint4 lo =
+        lo_ok ? __ldg(reinterpret_cast<const uint4*>(q_lo + 32 * c)) : make_uint4(0, 0, 0, 0);
+    const uint4 hi =
+        hi_ok ? __ldg(reinterpret_cast<const uint4*>(q_hi + 32 * c)) : make_uint4(0, 0, 0, 0);
+    a[2 * c][0] = lo.x;
+    a[2 * c][1] = hi.x;
+    a[2 * c][2] = lo.y;
+    a[2 * c][3] = hi.y;
+    a[2 * c + 1][0] = lo.z;
+    a[2 * c + 1][1] = hi.z;
+    a[2 * c + 1][2] = lo.w;
+    a[2 * c + 1][3] = hi.w;
+  }
+}
+
+// The B operands of the kGroups 8-key groups at `base`: zeros for keys past kmax (never
+// stored).
+template <class T, int kGroups, int kSlices>
+__device__ __forceinline__ void load_key_groups(const T* k, std::int64_t key_stride, int base,
+                                                int kmax, int g, int q4,
+                                                uint4 (&kv)[kGroups][kSlices]) {
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j) {
+    const int key = base + 8 * j + g;
+    const T* src = k + std::int64_t(key) * key_stride + 8 * q4;
+#pragma unroll
+    for (int c = 0; c < kSlices; ++c)
+      kv[j][c] = key < kmax ? __ldg(reinterpret_cast<const uint4*>(src + 32 * c))
+                            : make_uint4(0, 0, 0, 0);
+  }
+}
+
+// acc[j]: the fp32 scores of key group j, (row g, keys 2 q4, 2 q4 + 1), then the same keys of
+// row g + 8 (unscaled). One fixed mma order, so every kernel that uses it gets the same bits.
+template <class T, int kGroups, int kSlices>
+__device__ __forceinline__ void score_key_groups(const std::uint32_t (&a)[2 * kSlices][4],
+                                                 const uint4 (&kv)[kGroups][kSlices],
+                                                 float (&acc)[kGroups][4]) {
+#pragma unroll
+  for (int j = 0; j < kGroups; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+#pragma unroll
+  for (int c = 0; c < kSlices; ++c)
+#pragma unroll
+    for (int j = 0; j < kGroups; ++j) {
+      cuda_sm80::Mma<T>::run(acc[j], a[2 * c], kv[j][c].x, kv[j][c].y);
+      cuda_sm80::Mma<T>::run(acc[j], a[2 * c + 1], kv[j][c].z, kv[j][c].w);
+    }
+}
+
 template <class T, int kD>
 __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
     vsa_select_topk_mma_kernel(VsaTopkLaunch p, int rows) {
@@ -651,44 +715,15 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
   record_row_ranges(p, t0, rows, row_k0, row_n);
   // A operand (every warp holds all 16 rows), loaded while the ranges are being found.
   std::uint32_t a[2 * kSlices][4];
-  {
-    const bool lo_ok = g < rows && t0 + g < p.q_tiles;
-    const bool hi_ok = g + 8 < rows && t0 + g + 8 < p.q_tiles;
-    const T* q_lo = q + (t0 + g) * p.q_stride[1] + 8 * q4;
-    const T* q_hi = q + (t0 + g + 8) * p.q_stride[1] + 8 * q4;
-#pragma unroll
-    for (int c = 0; c < kSlices; ++c) {
-      const uint4 lo = lo_ok ? __ldg(reinterpret_cast<const uint4*>(q_lo + 32 * c))
-                             : make_uint4(0, 0, 0, 0);
-      const uint4 hi = hi_ok ? __ldg(reinterpret_cast<const uint4*>(q_hi + 32 * c))
-                             : make_uint4(0, 0, 0, 0);
-      a[2 * c][0] = lo.x;
-      a[2 * c][1] = hi.x;
-      a[2 * c][2] = lo.y;
-      a[2 * c][3] = hi.y;
-      a[2 * c + 1][0] = lo.z;
-      a[2 * c + 1][1] = hi.z;
-      a[2 * c + 1][2] = lo.w;
-      a[2 * c + 1][3] = hi.w;
-    }
-  }
+  load_query_operand<T, kSlices>(p, q, t0, rows, g, q4, a);
   __syncthreads();
   int kmin, kmax;
   key_range_union(row_k0, row_n, rows, &kmin, &kmax);
 
   const float scale = float(p.scale);
   const bool row_lo = g < rows, row_hi = g + 8 < rows;
-  // B operand of the 8-key groups at `base`: zeros for keys past the range (never stored).
   auto load_keys = [&](int base, uint4 (&kv)[kGroups][kSlices]) {
-#pragma unroll
-    for (int j = 0; j < kGroups; ++j) {
-      const int key = base + 8 * j + g;
-      const T* src = k + std::int64_t(key) * p.k_stride[1] + 8 * q4;
-#pragma unroll
-      for (int c = 0; c < kSlices; ++c)
-        kv[j][c] = key < kmax ? __ldg(reinterpret_cast<const uint4*>(src + 32 * c))
-                              : make_uint4(0, 0, 0, 0);
-    }
+    load_key_groups<T, kGroups, kSlices>(k, p.k_stride[1], base, kmax, g, q4, kv);
   };
   constexpr bool kPrefetch = kD <= 128;
   constexpr int kWarpStride = kMmaWarps * kKeysPerStep;
@@ -699,17 +734,7 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
     if constexpr (kPrefetch) load_keys(base + kWarpStride, next);
     else load_keys(base, kv);
     float acc[kGroups][4];
-#pragma unroll
-    for (int j = 0; j < kGroups; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
-#pragma unroll
-    for (int c = 0; c < kSlices; ++c)
-#pragma unroll
-      for (int j = 0; j < kGroups; ++j) {
-        cuda_sm80::Mma<T>::run(acc[j], a[2 * c], kv[j][c].x, kv[j][c].y);
-        cuda_sm80::Mma<T>::run(acc[j], a[2 * c + 1], kv[j][c].z, kv[j][c].w);
-      }
+    score_key_groups<T, kGroups, kSlices>(a, kv, acc);
     // acc[j]: (row g, keys 2 q4, 2 q4 + 1 of group j), then the same keys of row g + 8.
 #pragma unroll
     for (int j = 0; j < kGroups; ++j)
@@ -971,27 +996,7 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
     row_hi_key[tid] = 0u;
   }
   std::uint32_t a[2 * kSlices][4];
-  {
-    const bool lo_ok = g < rows && t0 + g < p.q_tiles;
-    const bool hi_ok = g + 8 < rows && t0 + g + 8 < p.q_tiles;
-    const T* q_lo = q + (t0 + g) * p.q_stride[1] + 8 * q4;
-    const T* q_hi = q + (t0 + g + 8) * p.q_stride[1] + 8 * q4;
-#pragma unroll
-    for (int c = 0; c < kSlices; ++c) {
-      const uint4 lo = lo_ok ? __ldg(reinterpret_cast<const uint4*>(q_lo + 32 * c))
-                             : make_uint4(0, 0, 0, 0);
-      const uint4 hi = hi_ok ? __ldg(reinterpret_cast<const uint4*>(q_hi + 32 * c))
-                             : make_uint4(0, 0, 0, 0);
-      a[2 * c][0] = lo.x;
-      a[2 * c][1] = hi.x;
-      a[2 * c][2] = lo.y;
-      a[2 * c][3] = hi.y;
-      a[2 * c + 1][0] = lo.z;
-      a[2 * c + 1][1] = hi.z;
-      a[2 * c + 1][2] = lo.w;
-      a[2 * c + 1][3] = hi.w;
-    }
-  }
+  load_query_operand<T, kSlices>(p, q, t0, rows, g, q4, a);
   __syncthreads();
   int kmin, kmax;
   key_range_union(row_k0, row_n, rows, &kmin, &kmax);
@@ -1003,15 +1008,7 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
   const float scale = float(p.scale);
 
   auto load_keys = [&](int base, uint4 (&kv)[kGroups][kSlices]) {
-#pragma unroll
-    for (int j = 0; j < kGroups; ++j) {
-      const int key = base + 8 * j + g;
-      const T* src = k + std::int64_t(key) * p.k_stride[1] + 8 * q4;
-#pragma unroll
-      for (int c = 0; c < kSlices; ++c)
-        kv[j][c] = key < kmax ? __ldg(reinterpret_cast<const uint4*>(src + 32 * c))
-                              : make_uint4(0, 0, 0, 0);
-    }
+    load_key_groups<T, kGroups, kSlices>(k, p.k_stride[1], base, kmax, g, q4, kv);
   };
   constexpr bool kPrefetch = kD <= 128;
   constexpr int kWarpStride = kMmaWarps * kKeysPerStep;
@@ -1023,16 +1020,13 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
   const int span = kmax - kmin;
   if (span > 0) {
     auto sample_key = [&](int s) { return kmin + int(std::int64_t(s) * span / kSampleKeys); };
-    uint4 sv[kSlices];
+    uint4 sv[1][kSlices];
     const T* src = k + std::int64_t(sample_key(warp * 8 + g)) * p.k_stride[1] + 8 * q4;
 #pragma unroll
-    for (int c = 0; c < kSlices; ++c) sv[c] = __ldg(reinterpret_cast<const uint4*>(src + 32 * c));
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-    for (int c = 0; c < kSlices; ++c) {
-      cuda_sm80::Mma<T>::run(acc, a[2 * c], sv[c].x, sv[c].y);
-      cuda_sm80::Mma<T>::run(acc, a[2 * c + 1], sv[c].z, sv[c].w);
-    }
+    for (int c = 0; c < kSlices; ++c) sv[0][c] = __ldg(reinterpret_cast<const uint4*>(src + 32 * c));
+    float scored[1][4];
+    score_key_groups<T, 1, kSlices>(a, sv, scored);
+    const float(&acc)[4] = scored[0];
     std::uint32_t mn_lo = 0xffffffffu, mx_lo = 0u, mn_hi = 0xffffffffu, mx_hi = 0u;
 #pragma unroll
     for (int col = 0; col < 2; ++col) {
@@ -1079,17 +1073,7 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
     if constexpr (kPrefetch) load_keys(base + kWarpStride, next);
     else load_keys(base, kv);
     float acc[kGroups][4];
-#pragma unroll
-    for (int j = 0; j < kGroups; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
-#pragma unroll
-    for (int c = 0; c < kSlices; ++c)
-#pragma unroll
-      for (int j = 0; j < kGroups; ++j) {
-        cuda_sm80::Mma<T>::run(acc[j], a[2 * c], kv[j][c].x, kv[j][c].y);
-        cuda_sm80::Mma<T>::run(acc[j], a[2 * c + 1], kv[j][c].z, kv[j][c].w);
-      }
+    score_key_groups<T, kGroups, kSlices>(a, kv, acc);
 #pragma unroll
     for (int j = 0; j < kGroups; ++j)
 #pragma unroll
