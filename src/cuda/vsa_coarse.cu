@@ -690,13 +690,86 @@ __device__ __forceinline__ void score_key_groups(const std::uint32_t (&a)[2 * kS
     }
 }
 
+// Where a tensor-core selection CTA works: its first query tile t0 (of `rows`), head and
+// batch, the q rows of that head and the k rows of its kv head, and the thread's lane, warp
+// and place in the mma fragments (g: row group, q4: column pair).
+template <class T>
+struct MmaTopkCta {
+  int lane, warp, g, q4;
+  std::int64_t t0, h, b;
+  const T* q;
+  const T* k;
+  __device__ __forceinline__ MmaTopkCta(const VsaTopkLaunch& p, int rows) {
+    lane = threadIdx.x & 31;
+    warp = threadIdx.x >> 5;
+    g = lane >> 2;
+    q4 = lane & 3;
+    t0 = std::int64_t(blockIdx.x) * rows;
+    h = blockIdx.y;
+    b = blockIdx.z;
+    const std::int64_t hk = h / (p.heads_q / p.heads_kv);
+    q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[2];
+    k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[2];
+  }
+};
+
+// The key tiles [kmin, kmax) streamed through one warp's mma in steps of kKeysPerStep (the
+// warps of the CTA interleaved). For kD <= 128 the next step's loads are issued before this
+// step's products (a register double buffer); the first step's are issued at construction,
+// so a caller can overlap them with other work.
+template <class T, int kD>
+struct KeyStream {
+  static constexpr int kSlices = kD / 32;
+  static constexpr int kGroups = mma_key_groups<kD>();
+  static constexpr int kKeysPerStep = 8 * kGroups;
+  static constexpr int kWarpStride = kMmaWarps * kKeysPerStep;
+  static constexpr bool kPrefetch = kD <= 128;
+  const T* k;
+  std::int64_t key_stride;
+  int kmin, kmax, first, g, q4;
+  uint4 kv[kGroups][kSlices];
+
+  __device__ __forceinline__ KeyStream(const T* k_, std::int64_t key_stride_, int kmin_,
+                                       int kmax_, int warp, int g_, int q4_)
+      : k(k_), key_stride(key_stride_), kmin(kmin_), kmax(kmax_),
+        first(kmin_ + warp * kKeysPerStep), g(g_), q4(q4_) {
+    if constexpr (kPrefetch) load(first, kv);
+  }
+  __device__ __forceinline__ void load(int base, uint4 (&dst)[kGroups][kSlices]) const {
+    load_key_groups<T, kGroups, kSlices>(k, key_stride, base, kmax, g, q4, dst);
+  }
+  // fn(key, score of row g, score of row g + 8) for every key below kmax this lane holds
+  // (unscaled fp32 scores).
+  template <class Fn>
+  __device__ __forceinline__ void score_all(const std::uint32_t (&a)[2 * kSlices][4], Fn&& fn) {
+    for (int base = first; base < kmax; base += kWarpStride) {
+      uint4 next[kGroups][kSlices];
+      if constexpr (kPrefetch) load(base + kWarpStride, next);
+      else load(base, kv);
+      float acc[kGroups][4];
+      score_key_groups<T, kGroups, kSlices>(a, kv, acc);
+#pragma unroll
+      for (int j = 0; j < kGroups; ++j)
+#pragma unroll
+        for (int col = 0; col < 2; ++col) {
+          const int key = base + 8 * j + 2 * q4 + col;
+          if (key < kmax) fn(key, acc[j][col], acc[j][2 + col]);
+        }
+      if constexpr (kPrefetch) {
+#pragma unroll
+        for (int j = 0; j < kGroups; ++j)
+#pragma unroll
+          for (int c = 0; c < kSlices; ++c) kv[j][c] = next[j][c];
+      }
+    }
+  }
+};
+
 template <class T, int kD>
 __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
     vsa_select_topk_mma_kernel(VsaTopkLaunch p, int rows) {
   static_assert(kD % 32 == 0, "the head dim is consumed in 32-wide slices");
   constexpr int kSlices = kD / 32;
-  constexpr int kGroups = mma_key_groups<kD>();
-  constexpr int kKeysPerStep = 8 * kGroups;
   extern __shared__ __align__(16) unsigned char smem[];
   const std::int64_t k_cap = p.k_tiles;
   float* scores = reinterpret_cast<float*>(smem);                     // [rows][k_cap]
@@ -704,55 +777,25 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
   int* row_k0 = hist + kMmaWarps * 256;
   int* row_n = row_k0 + kRowsMax;
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, q4 = lane & 3;
-  const std::int64_t t0 = std::int64_t(blockIdx.x) * rows;
-  const std::int64_t h = blockIdx.y, b = blockIdx.z;
-  const std::int64_t hk = h / (p.heads_q / p.heads_kv);
-  const auto* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[2];
-  const auto* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[2];
+  const MmaTopkCta<T> cta(p, rows);
+  const int warp = cta.warp, g = cta.g, q4 = cta.q4;
+  const std::int64_t t0 = cta.t0;
 
   record_row_ranges(p, t0, rows, row_k0, row_n);
   // A operand (every warp holds all 16 rows), loaded while the ranges are being found.
   std::uint32_t a[2 * kSlices][4];
-  load_query_operand<T, kSlices>(p, q, t0, rows, g, q4, a);
+  load_query_operand<T, kSlices>(p, cta.q, t0, rows, g, q4, a);
   __syncthreads();
   int kmin, kmax;
   key_range_union(row_k0, row_n, rows, &kmin, &kmax);
 
   const float scale = float(p.scale);
   const bool row_lo = g < rows, row_hi = g + 8 < rows;
-  auto load_keys = [&](int base, uint4 (&kv)[kGroups][kSlices]) {
-    load_key_groups<T, kGroups, kSlices>(k, p.k_stride[1], base, kmax, g, q4, kv);
-  };
-  constexpr bool kPrefetch = kD <= 128;
-  constexpr int kWarpStride = kMmaWarps * kKeysPerStep;
-  uint4 kv[kGroups][kSlices];
-  if constexpr (kPrefetch) load_keys(kmin + warp * kKeysPerStep, kv);
-  for (int base = kmin + warp * kKeysPerStep; base < kmax; base += kWarpStride) {
-    uint4 next[kGroups][kSlices];
-    if constexpr (kPrefetch) load_keys(base + kWarpStride, next);
-    else load_keys(base, kv);
-    float acc[kGroups][4];
-    score_key_groups<T, kGroups, kSlices>(a, kv, acc);
-    // acc[j]: (row g, keys 2 q4, 2 q4 + 1 of group j), then the same keys of row g + 8.
-#pragma unroll
-    for (int j = 0; j < kGroups; ++j)
-#pragma unroll
-      for (int col = 0; col < 2; ++col) {
-        const int key = base + 8 * j + 2 * q4 + col;
-        if (key < kmax) {
-          if (row_lo) scores[std::int64_t(g) * k_cap + (key - kmin)] = acc[j][col] * scale;
-          if (row_hi) scores[std::int64_t(g + 8) * k_cap + (key - kmin)] = acc[j][2 + col] * scale;
-        }
-      }
-    if constexpr (kPrefetch) {
-#pragma unroll
-      for (int j = 0; j < kGroups; ++j)
-#pragma unroll
-        for (int c = 0; c < kSlices; ++c) kv[j][c] = next[j][c];
-    }
-  }
+  KeyStream<T, kD> keys(cta.k, p.k_stride[1], kmin, kmax, warp, g, q4);
+  keys.score_all(a, [&](int key, float lo, float hi) {
+    if (row_lo) scores[std::int64_t(g) * k_cap + (key - kmin)] = lo * scale;
+    if (row_hi) scores[std::int64_t(g + 8) * k_cap + (key - kmin)] = hi * scale;
+  });
   __syncthreads();
   select_rows<kMmaWarps>(p, scores, k_cap, kmin, row_k0, row_n, t0, rows, hist);
 }
@@ -968,8 +1011,6 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
     vsa_select_topk_bins_kernel(VsaTopkLaunch p, int rows, int stride) {
   static_assert(kD % 32 == 0, "the head dim is consumed in 32-wide slices");
   constexpr int kSlices = kD / 32;
-  constexpr int kGroups = mma_key_groups<kD>();
-  constexpr int kKeysPerStep = 8 * kGroups;
   extern __shared__ __align__(16) unsigned char smem[];
   float* scores = reinterpret_cast<float*>(smem);                    // [rows][stride]
   float* cand = scores + std::int64_t(rows) * stride;                // [8][kCandMax]
@@ -981,13 +1022,9 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
   auto* row_bin_lo = reinterpret_cast<float*>(row_hi_key + kRowsMax);
   float* row_bin_scale = row_bin_lo + kRowsMax;
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, q4 = lane & 3;
-  const std::int64_t t0 = std::int64_t(blockIdx.x) * rows;
-  const std::int64_t h = blockIdx.y, b = blockIdx.z;
-  const std::int64_t hk = h / (p.heads_q / p.heads_kv);
-  const auto* q = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[2];
-  const auto* k = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[2];
+  const MmaTopkCta<T> cta(p, rows);
+  const int tid = threadIdx.x, lane = cta.lane, warp = cta.warp, g = cta.g, q4 = cta.q4;
+  const std::int64_t t0 = cta.t0, h = cta.h, b = cta.b;
 
   record_row_ranges(p, t0, rows, row_k0, row_n);
   for (int i = tid; i < rows * kBins; i += kMmaThreads) hist[i] = 0;
@@ -996,7 +1033,7 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
     row_hi_key[tid] = 0u;
   }
   std::uint32_t a[2 * kSlices][4];
-  load_query_operand<T, kSlices>(p, q, t0, rows, g, q4, a);
+  load_query_operand<T, kSlices>(p, cta.q, t0, rows, g, q4, a);
   __syncthreads();
   int kmin, kmax;
   key_range_union(row_k0, row_n, rows, &kmin, &kmax);
@@ -1007,21 +1044,15 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
   const int hi_begin = row_k0[g + 8], hi_end = hi_begin + row_n[g + 8];
   const float scale = float(p.scale);
 
-  auto load_keys = [&](int base, uint4 (&kv)[kGroups][kSlices]) {
-    load_key_groups<T, kGroups, kSlices>(k, p.k_stride[1], base, kmax, g, q4, kv);
-  };
-  constexpr bool kPrefetch = kD <= 128;
-  constexpr int kWarpStride = kMmaWarps * kKeysPerStep;
-  uint4 kv[kGroups][kSlices];
-  // The main loop's first keys are in flight during the sample.
-  if constexpr (kPrefetch) load_keys(kmin + warp * kKeysPerStep, kv);
+  // The product's first keys are in flight during the sample.
+  KeyStream<T, kD> keys(cta.k, p.k_stride[1], kmin, kmax, warp, g, q4);
 
   // 1. The sample: sample s is key kmin + s * (kmax - kmin) / kSampleKeys.
   const int span = kmax - kmin;
   if (span > 0) {
     auto sample_key = [&](int s) { return kmin + int(std::int64_t(s) * span / kSampleKeys); };
     uint4 sv[1][kSlices];
-    const T* src = k + std::int64_t(sample_key(warp * 8 + g)) * p.k_stride[1] + 8 * q4;
+    const T* src = cta.k + std::int64_t(sample_key(warp * 8 + g)) * p.k_stride[1] + 8 * q4;
 #pragma unroll
     for (int c = 0; c < kSlices; ++c) sv[0][c] = __ldg(reinterpret_cast<const uint4*>(src + 32 * c));
     float scored[1][4];
@@ -1068,39 +1099,20 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
   const float bin_lo_hi = row_bin_lo[g + 8], bin_scale_hi = row_bin_scale[g + 8];
 
   // 2. The product with the binned epilogue.
-  for (int base = kmin + warp * kKeysPerStep; base < kmax; base += kWarpStride) {
-    uint4 next[kGroups][kSlices];
-    if constexpr (kPrefetch) load_keys(base + kWarpStride, next);
-    else load_keys(base, kv);
-    float acc[kGroups][4];
-    score_key_groups<T, kGroups, kSlices>(a, kv, acc);
-#pragma unroll
-    for (int j = 0; j < kGroups; ++j)
-#pragma unroll
-      for (int col = 0; col < 2; ++col) {
-        const int key = base + 8 * j + 2 * q4 + col;
-        if (key < kmax) {
-          if (row_lo) {
-            const float v = canonical_score(acc[j][col] * scale);
-            scores[std::int64_t(g) * stride + (key - kmin)] = v;
-            if (key >= lo_begin && key < lo_end)
-              atomicAdd(&hist[g * kBins + value_bin(v, bin_lo_lo, bin_scale_lo)], 1);
-          }
-          if (row_hi) {
-            const float v = canonical_score(acc[j][2 + col] * scale);
-            scores[std::int64_t(g + 8) * stride + (key - kmin)] = v;
-            if (key >= hi_begin && key < hi_end)
-              atomicAdd(&hist[(g + 8) * kBins + value_bin(v, bin_lo_hi, bin_scale_hi)], 1);
-          }
-        }
-      }
-    if constexpr (kPrefetch) {
-#pragma unroll
-      for (int j = 0; j < kGroups; ++j)
-#pragma unroll
-        for (int c = 0; c < kSlices; ++c) kv[j][c] = next[j][c];
+  keys.score_all(a, [&](int key, float lo, float hi) {
+    if (row_lo) {
+      const float v = canonical_score(lo * scale);
+      scores[std::int64_t(g) * stride + (key - kmin)] = v;
+      if (key >= lo_begin && key < lo_end)
+        atomicAdd(&hist[g * kBins + value_bin(v, bin_lo_lo, bin_scale_lo)], 1);
     }
-  }
+    if (row_hi) {
+      const float v = canonical_score(hi * scale);
+      scores[std::int64_t(g + 8) * stride + (key - kmin)] = v;
+      if (key >= hi_begin && key < hi_end)
+        atomicAdd(&hist[(g + 8) * kBins + value_bin(v, bin_lo_hi, bin_scale_hi)], 1);
+    }
+  });
   __syncthreads();
   // 4. One warp per row.
   for (int r = warp; r < rows; r += kMmaWarps) {
