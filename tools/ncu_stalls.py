@@ -1,6 +1,7 @@
 """Reads `ncu --page raw --csv` on stdin and prints, per profiled kernel, the warp stall
 reasons (average warps stalled per issued instruction, largest first) and a few pipe and
-throughput metrics: what the details page sums into one number."""
+throughput metrics (and the DRAM traffic and L2 hit rate): what the details page sums into
+one number."""
 import csv
 import sys
 
@@ -8,6 +9,8 @@ KEEP = ("smsp__average_warps_issue_stalled_", "sm__pipe_tensor_op_hmma_cycles_ac
         "sm__inst_executed_pipe_", "lts__t_sectors_srcunit_tex_op_read_lookup_hit",
         "l1tex__data_pipe_lsu_wavefronts_mem_shared", "smsp__inst_executed.sum",
         "gpu__time_duration.sum", "sm__throughput", "lts__throughput")
+# Printed whatever their unit: the DRAM traffic and the L2 hit rate (K / V reuse between CTAs).
+TRAFFIC = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sector_hit_rate.pct")
 
 
 def main() -> None:
@@ -30,7 +33,8 @@ def main() -> None:
             short = n[len("smsp__average_warps_issue_stalled_"):-len("_per_issue_active.ratio")]
             print(f"   stall {short:28s} {value:8.3f}")
         for n, u, v in zip(names, units, r):
-            if any(n.startswith(k) for k in KEEP[1:]) and "pct" in n or n.startswith("gpu__time"):
+            if (any(n.startswith(k) for k in KEEP[1:]) and "pct" in n or n.startswith("gpu__time")
+                    or n in TRAFFIC):
                 print(f"   {n:70s} {v:>14s} {u}")
 
 
