@@ -726,13 +726,13 @@ struct KeyStream {
   static constexpr bool kPrefetch = kD <= 128;
   const T* k;
   std::int64_t key_stride;
-  int kmin, kmax, first, g, q4;
+  int kmax, first, g, q4;  // first: this warp's first step
   uint4 kv[kGroups][kSlices];
 
-  __device__ __forceinline__ KeyStream(const T* k_, std::int64_t key_stride_, int kmin_,
+  __device__ __forceinline__ KeyStream(const T* k_, std::int64_t key_stride_, int kmin,
                                        int kmax_, int warp, int g_, int q4_)
-      : k(k_), key_stride(key_stride_), kmin(kmin_), kmax(kmax_),
-        first(kmin_ + warp * kKeysPerStep), g(g_), q4(q4_) {
+      : k(k_), key_stride(key_stride_), kmax(kmax_), first(kmin + warp * kKeysPerStep),
+        g(g_), q4(q4_) {
     if constexpr (kPrefetch) load(first, kv);
   }
   __device__ __forceinline__ void load(int base, uint4 (&dst)[kGroups][kSlices]) const {
