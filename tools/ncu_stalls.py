@@ -8,7 +8,8 @@ import sys
 KEEP = ("smsp__average_warps_issue_stalled_", "sm__pipe_tensor_op_hmma_cycles_active",
         "sm__inst_executed_pipe_", "lts__t_sectors_srcunit_tex_op_read_lookup_hit",
         "l1tex__data_pipe_lsu_wavefronts_mem_shared", "smsp__inst_executed.sum",
-        "gpu__time_duration.sum", "sm__throughput", "lts__throughput")
+        "gpu__time_duration.sum", "sm__throughput", "lts__throughput", "smsp__issue_active",
+        "sm__pipe_")
 # Printed whatever their unit: the DRAM traffic and the L2 hit rate (K / V reuse between CTAs).
 TRAFFIC = ("dram__bytes_read.sum", "dram__bytes_write.sum", "lts__t_sector_hit_rate.pct")
 

@@ -5,20 +5,28 @@
 Dense: B1 H12 S32768 D128 bf16 (the issue's dense shape). Block-sparse: Wan2.1-1.3B 480p
 (624 tiles of 64 tokens, H12, D128, 90% sparse -> 63 key tiles per query tile, a seeded
 uniform random selection as in the benchmark). Not a test and not a benchmark: it only runs
-the kernels once each (after a warm-up) so the profiler sees a steady state."""
+the kernels once each (after a warm-up) so the profiler sees a steady state.
+`--dense B,S,H,D` changes the dense shape (e.g. 2,16384,32,64); `--dense-only` skips the
+block-sparse launch."""
+import argparse
+
 import torch
 
 import vidattn
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dense", default="1,32768,12,128", help="B,S,H,D of the dense launch")
+    ap.add_argument("--dense-only", action="store_true")
+    args = ap.parse_args()
+    B, S, H, D = (int(x) for x in args.dense.split(","))
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(*shape):
         return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
 
-    S = 32768
-    q, k, v = randn(1, S, 12, 128), randn(1, S, 12, 128), randn(1, S, 12, 128)
+    q, k, v = randn(B, S, H, D), randn(B, S, H, D), randn(B, S, H, D)
     tiles, topk = 624, 63
     qs, ks, vs = (randn(1, tiles * 64, 12, 128) for _ in range(3))
     scores = torch.rand(1, 12, tiles, tiles, generator=g, device="cuda")
@@ -28,7 +36,9 @@ def main() -> None:
 
     def run():
         vidattn.attention(q, k, v)
-        ops.block_sparse_attention(qs, ks, vs, idx, cnt, tile_volume=64, validate_index=False)
+        if not args.dense_only:
+            ops.block_sparse_attention(qs, ks, vs, idx, cnt, tile_volume=64,
+                                       validate_index=False)
 
     for _ in range(3):
         run()

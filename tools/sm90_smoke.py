@@ -1,5 +1,5 @@
 """Small sm_90a forward runs (dense with masks / causal / GQA / varlen, a multi-tile persistent
-case, block-sparse 64 and 128) for compute-sanitizer: exits non-zero on non-finite output or
+case, D = 64 on the 192-row tile, block-sparse 64 and 128) for compute-sanitizer: exits non-zero on non-finite output or
 when the sm90 kernels did not run."""
 import sys
 
@@ -30,6 +30,10 @@ def main() -> int:
             results.append(vidattn.attention_varlen(qv, kv, vv, cu_q, cu_k, 65, 63, causal=True))
     q = rnd(2, 1024, 16, 128)  # 256 tiles: several per CTA of the persistent grid
     results.append(vidattn.attention(q, q, q))
+    # D = 64 with >= 8192 keys: the 192-row tile (partial query tile, partial key block).
+    q, k = rnd(1, 500, 2, 64), rnd(1, 8200, 2, 64)
+    results.append(vidattn.attention(q, k, k))
+    results.append(vidattn.attention(q, k, k, causal=True))
     for tile in (64, 128):
         tiles = 6
         q = rnd(1, tiles * tile, 4, 128)

@@ -40,6 +40,10 @@ CASES = [  # B, Sq, Sk, Hq, Hkv, D, dtype, causal
     (1, 700, 2100, 6, 3, 64, torch.float16, False),
     (1, 2100, 700, 6, 6, 64, torch.bfloat16, True),
     (3, 257, 129, 5, 5, 128, torch.float16, True),
+    # D = 64 with >= 8192 keys: the 192-row tile (three consumer warpgroups); partial last
+    # query tile and a partial last key block.
+    (1, 500, 8200, 4, 2, 64, torch.bfloat16, False),
+    (2, 450, 8250, 2, 2, 64, torch.float16, True),
 ]
 
 
@@ -56,17 +60,19 @@ def test_sm90_forward_matches_reference(case, input_scale):
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
+@pytest.mark.parametrize("Sq,Sk,D", [(3000, 3000, 128), (600, 8300, 64)])
 @pytest.mark.parametrize("causal", [False, True])
-def test_sm90_logits_growing_along_the_keys(causal):
+def test_sm90_logits_growing_along_the_keys(causal, Sq, Sk, D):
     """Key norms that grow along the sequence make each row's maximum climb block after
     block, far past the softmax base's slack (OnlineSoftmax::slack): the rescale path runs on
-    many blocks, and the result still follows the rule."""
-    g = gen(93 + causal)
-    B, S, H, D = 1, 3000, 4, 128
-    q = randn((B, S, H, D), torch.bfloat16, g)
-    ramp = torch.linspace(0.25, 8.0, S, device=DEV).view(1, S, 1, 1)
-    k = (randn((B, S, H, D), torch.float32, g) * ramp).to(torch.bfloat16)
-    v = randn((B, S, H, D), torch.bfloat16, g)
+    many blocks, and the result still follows the rule. D = 64 with 8300 keys: the 192-row
+    tile."""
+    g = gen(93 + causal + D)
+    B, H = 1, 4
+    q = randn((B, Sq, H, D), torch.bfloat16, g)
+    ramp = torch.linspace(0.25, 8.0, Sk, device=DEV).view(1, Sk, 1, 1)
+    k = (randn((B, Sk, H, D), torch.float32, g) * ramp).to(torch.bfloat16)
+    v = randn((B, Sk, H, D), torch.bfloat16, g)
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=93, check_grads=False))
 
 
@@ -82,10 +88,12 @@ def test_sm90_padding_masks_and_packed_views():
                                      check_grads=False))
 
 
-def test_sm90_varlen():
-    g = gen(93)
-    lq, lk = [300, 0, 1, 129, 64], [260, 5, 0, 400, 1]
-    Hq, Hkv, D = 4, 2, 128
+# The second case's longest key sequence puts D = 64 on the 192-row tile.
+@pytest.mark.parametrize("lq,lk,D", [([300, 0, 1, 129, 64], [260, 5, 0, 400, 1], 128),
+                                     ([300, 0, 200, 1], [8300, 5, 9000, 700], 64)])
+def test_sm90_varlen(lq, lk, D):
+    g = gen(93 + D)
+    Hq, Hkv = 4, 2
     q = randn((sum(lq), Hq, D), torch.bfloat16, g, 4.0)
     k = randn((sum(lk), Hkv, D), torch.bfloat16, g, 4.0)
     v = randn((sum(lk), Hkv, D), torch.bfloat16, g)

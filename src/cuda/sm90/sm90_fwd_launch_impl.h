@@ -30,6 +30,15 @@ using CutlassElement =
 // slower once the unmasked blocks ran without mask code (docs/perf-notes.md, Hopper v11).
 template <class T, int D>
 using DenseTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2>;
+// D = 64 with long key loops: a 192-row stream of three warpgroups (160 registers each).
+// At D = 64 a warpgroup's softmax of a 64 x 128 block takes several times as long as its two
+// products (a latency chain, not a full pipe: ncu shows MUFU ~47% and issue ~42% busy), so
+// two warpgroups leave the tensor cores idle half the time; a third fills them (+7-10% at
+// 8K-32K keys). Short key loops (4K) and D = 128 (whose output accumulator does not fit
+// three warpgroups' registers) stay on two (docs/perf-notes.md, Hopper v13).
+template <class T>
+using Dense64WideTraits = FwdTraits<CutlassElement<T>, 64, 128, 3, 1, 2, 2>;
+inline constexpr std::int64_t kDense64WideMinKeys = 8192;
 // Block-sparse with 128 / 256-token tiles: 128-key blocks (a 256 tile is two).
 template <class T, int D>
 using Sparse128Traits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2>;
@@ -75,6 +84,16 @@ inline float rescale_slack() {
     return v != nullptr ? std::strtof(v, nullptr) : 8.f;
   }();
   return slack;
+}
+
+// VIDATTN_SM90_D64_WIDE=0 keeps D = 64 on the 128-row tile at every length (for measuring
+// the 192-row one; read once).
+inline bool d64_wide_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("VIDATTN_SM90_D64_WIDE");
+    return !(v != nullptr && v[0] == '0');
+  }();
+  return on;
 }
 
 // The grid: one CTA per tile by default, a persistent grid of (SMs - sm_margin) CTAs when the
@@ -156,6 +175,13 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
 
 template <class T, int D>
 bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
+  if constexpr (D == 64) {
+    if (p.seqlen_k >= launch_detail::kDense64WideMinKeys && launch_detail::d64_wide_enabled()) {
+      using Wide = launch_detail::Dense64WideTraits<T>;
+      return launch_detail::launch<Wide, DenseKeyRange<Wide::kBlockN>>(p, SparseKeyListArgs{},
+                                                                       stream);
+    }
+  }
   using Traits = launch_detail::DenseTraits<T, D>;
   return launch_detail::launch<Traits, DenseKeyRange<Traits::kBlockN>>(p, SparseKeyListArgs{},
                                                                        stream);

@@ -212,23 +212,37 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   };
 
   const PingPong turns(p.pingpong, tid / 128, Traits::kWGPerStream, stream);
-  RingState<Traits::kStagesK> ring;      // K of the block whose S is next
-  RingState<Traits::kStagesV> v_ring;    // V of the same block
+  RingState<Traits::kStagesK> ring;  // K of the block whose S is next
+  // V of the same block: with as many V slots as K slots it is the K position itself (one
+  // register pair fewer through the loop).
+  constexpr bool kOneRing = Traits::kStagesK == Traits::kStagesV;
+  RingState<Traits::kStagesV> v_ring_own;
+  auto v_ring = [&]() -> RingState<Traits::kStagesV> {
+    if constexpr (kOneRing) return ring; else return v_ring_own;
+  };
+  auto advance_rings = [&]() {
+    ring.advance();
+    if constexpr (!kOneRing) v_ring_own.advance();
+  };
   uint32_t q_phase = 0;
   const int rounds_end = p.sched.rounds_end(gridDim.x);
   for (int slot = blockIdx.x; slot < rounds_end; slot += gridDim.x) {
-    const StreamTile t = stream_tile(p, slot, stream);
+    StreamTile t = stream_tile(p, slot, stream);
     if (!t.active) continue;
-    const Visit visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
+    Visit visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
     const int n = visit.num_blocks();
     // Block-sparse: the end of the stream's query tile's valid slots (a stream's rows lie in
     // one tile); loaded now, read by the epilogue.
-    std::int64_t row_limit = INT64_MAX;
-    if (p.attn.q_block_sizes) {
-      const std::int64_t tile = t.q0 / p.attn.tile_volume;
-      row_limit = tile * p.attn.tile_volume +
-                  __ldg(p.attn.q_block_sizes + tile * p.attn.q_block_sizes_stride);
-    }
+    auto query_row_limit = [&]() {
+      std::int64_t limit = INT64_MAX;
+      if (p.attn.q_block_sizes) {
+        const std::int64_t tile = t.q0 / p.attn.tile_volume;
+        limit = tile * p.attn.tile_volume +
+                __ldg(p.attn.q_block_sizes + tile * p.attn.q_block_sizes_stride);
+      }
+      return limit;
+    };
+    std::int64_t row_limit = query_row_limit();
     OnlineSoftmax softmax(p.attn.scale, p.rescale_slack);
     float alpha[2];
 
@@ -267,9 +281,8 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     if (kb.needs_mask) apply_mask(tSrS, tScS, visit, kb, t.q0);
     softmax.template update<true>(tSrS, alpha);
     convert_p();
-    RingState<Traits::kStagesV> prev = v_ring;  // V of the block whose P V is next
-    ring.advance();
-    v_ring.advance();
+    RingState<Traits::kStagesV> prev = v_ring();  // V of the block whose P V is next
+    advance_rings();
 
     // Block i: its S and the P V product of block i - 1 are issued together; the softmax of
     // block i runs while that P V product does. kMask: 0 never masks (no mask code in the
@@ -300,14 +313,22 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       // Most blocks leave every row's base in place (OnlineSoftmax::slack): no rescale.
       if (__any_sync(0xffffffffu, moved)) rescale_rows(tOrO, alpha);
       convert_p();
-      prev = v_ring;
-      ring.advance();
-      v_ring.advance();
+      prev = v_ring();
+      advance_rings();
     };
     if constexpr (Visit::kMaskedSuffix) {
       const int unmasked_end = min(visit.first_masked_block(), n);
       int i = 1;
       for (; i < unmasked_end; ++i) step(i, cute::Int<0>{});
+      // The tile's description (sequence, policy, row limit: ~25 registers of 64-bit values)
+      // is rebuilt from the slot here instead of being kept through the unmasked loop, where
+      // three consumer warpgroups (160 registers each) would otherwise spill. The empty asm
+      // hides that the slot is unchanged, so the compiler cannot keep the old values.
+      int same_slot = slot;
+      asm volatile("" : "+r"(same_slot));
+      t = stream_tile(p, same_slot, stream);
+      visit = Visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
+      row_limit = query_row_limit();
       for (; i < n; ++i) step(i, cute::Int<1>{});
     } else {
       for (int i = 1; i < n; ++i) step(i, cute::Int<2>{});

@@ -40,8 +40,9 @@ struct FwdTraits {
   // setmaxnreg: the producer keeps a few, the consumers take the rest (64K per SM).
   static constexpr int kProducerRegs = 24;
   // Without setmaxnreg the same consumer code spilled 504 bytes at the 168-register cap of
-  // 9-12 warps; with it, none. A 3-consumer shape (512 threads, 160 each) spilled 244 bytes
-  // at D = 64: two consumer warpgroups (docs/perf-notes.md, Hopper v3).
+  // 9-12 warps; with it, none. Three consumer warpgroups (512 threads) get 160 each: at
+  // D = 64 the main loop then spills ~11 values per key block and still wins on long key
+  // loops (Dense64WideTraits, sm90_fwd_launch_impl.h).
   static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0);
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <= 65536);
