@@ -952,6 +952,8 @@ __device__ void bins_select_row(float* row, int n, int k, int max_k, int offset,
       const int j = base + 32 * u + lane;
       v[u] = j < n ? row[j] : 0.0f;
     }
+    // The stores below may overwrite what other lanes of this batch just read: order them.
+    __syncwarp();
 #pragma unroll
     for (int u = 0; u < kStageBatch; ++u) {
       const int j = base + 32 * u + lane;
