@@ -33,9 +33,9 @@ using DenseTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2>;
 // D = 64 with long key loops: a 192-row stream of three warpgroups (160 registers each).
 // At D = 64 a warpgroup's softmax of a 64 x 128 block takes several times as long as its two
 // products (a latency chain, not a full pipe: ncu shows MUFU ~47% and issue ~42% busy), so
-// two warpgroups leave the tensor cores idle half the time; a third fills them (+7-10% at
-// 8K-32K keys). Short key loops (4K) and D = 128 (whose output accumulator does not fit
-// three warpgroups' registers) stay on two (docs/perf-notes.md, Hopper v13).
+// two warpgroups leave the tensor cores idle half the time; a third fills more of it
+// (+10-13% at 8K-32K keys). Short key loops (4K) and D = 128 (whose output accumulator does
+// not fit three warpgroups' registers) stay on two (docs/perf-notes.md, Hopper v14).
 template <class T>
 using Dense64WideTraits = FwdTraits<CutlassElement<T>, 64, 128, 3, 1, 2, 2>;
 inline constexpr std::int64_t kDense64WideMinKeys = 8192;
