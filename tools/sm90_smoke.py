@@ -1,6 +1,6 @@
 """Small sm_90a forward runs (dense with masks / causal / GQA / varlen, a multi-tile persistent
-case, D = 64 on the 192-row tile, block-sparse 64 and 128) for compute-sanitizer: exits non-zero on non-finite output or
-when the sm90 kernels did not run."""
+case, D = 64 on the 192-row tile, block-sparse 64 and 128) for compute-sanitizer: exits
+non-zero on non-finite output or when the sm90 kernels did not run."""
 import sys
 
 import torch
