@@ -1,8 +1,17 @@
 """Dense attention forward / backward TFLOP/s of vidattn against PyTorch SDPA (cuDNN and
-flash backends) at a few shapes; median of triton.testing.do_bench. Writes JSON to argv[1]."""
+flash backends) at a few shapes, then the sm_90a block-sparse rows; median of
+triton.testing.do_bench, one JSON line per row on stdout, all rows in the JSON file.
+
+  python3 tools/bench_dense_cuda.py [out.json] [--shapes B,S,H,D[,causal] ...] [--fwd-vs-cudnn]
+
+--shapes replaces the dense shapes. --fwd-vs-cudnn times only the forward, ours and cuDNN's,
+with each row's ratio, and no sparse rows. Environment: BENCH_OURS_ONLY=1 times only
+vidattn's forward (A/B runs of a kernel switch in a second process: tools/sm90_ab.sh);
+BENCH_REQUIRES_GRAD=1 makes the forward's q, k, v leaves that require grad (the autograd
+path, as in `python -m vidattn.bench`)."""
+import argparse
 import json
 import os
-import sys
 
 import torch
 import triton.testing
@@ -23,21 +32,47 @@ def tflops(flops, ms):
     return flops / (ms * 1e-3) / 1e12
 
 
+def forward_vs_cudnn(row, q, k, v, causal, flops):
+    """The forward of ours and of cuDNN, one after the other: TFLOP/s and cuDNN's time over
+    ours."""
+    ours = triton.testing.do_bench(lambda: vidattn.attention(q, k, v, causal=causal),
+                                   return_mode="median")
+    qt, kt, vt = (t.detach().transpose(1, 2) for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        cudnn = triton.testing.do_bench(lambda: sdpa(qt, kt, vt, is_causal=causal),
+                                        return_mode="median")
+    return {**row, "vidattn_fwd": tflops(flops, ours), "cudnn_fwd": tflops(flops, cudnn),
+            "ratio": cudnn / ours}
+
+
 # BENCH_OURS_ONLY=1: only vidattn's forward (A/B runs of a kernel switch such as
 # VIDATTN_SM90_PINGPONG=0 in a second process).
 OURS_ONLY = os.environ.get("BENCH_OURS_ONLY") == "1"
 
 
-def main(path):
+def parse_shape(spec):
+    parts = spec.split(",")
+    if len(parts) not in (4, 5) or (len(parts) == 5 and parts[4] != "causal"):
+        raise argparse.ArgumentTypeError(f"shape {spec!r}: expected B,S,H,D or B,S,H,D,causal")
+    return (*(int(x) for x in parts[:4]), len(parts) == 5)
+
+
+def main(path, shapes, fwd_vs_cudnn):
     g = torch.Generator(device="cuda")
     g.manual_seed(0)
+    grad_inputs = os.environ.get("BENCH_REQUIRES_GRAD") == "1"
     rows = []
-    for B, S, H, D, causal in SHAPES:
+    for B, S, H, D, causal in shapes:
         q, k, v, go = (torch.randn((B, S, H, D), generator=g, device="cuda", dtype=torch.bfloat16)
                        for _ in range(4))
+        q, k, v = (t.requires_grad_(grad_inputs) for t in (q, k, v))
         fwd_flops = 4 * B * H * S * S * D / (2 if causal else 1)
         row = {"shape": [B, S, H, D], "causal": causal}
-        qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+        if fwd_vs_cudnn:
+            rows.append(forward_vs_cudnn(row, q, k, v, causal, fwd_flops))
+            print(json.dumps(rows[-1]), flush=True)
+            continue
+        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
 
         def ours_fwd():
             return vidattn.attention(q, k, v, causal=causal)
@@ -51,7 +86,7 @@ def main(path):
             print(json.dumps(row), flush=True)
             continue
         row["vidattn_bwd"] = tflops(2.5 * fwd_flops, triton.testing.do_bench(ours_bwd, return_mode="median"))
-        qt, kt, vt, got = (t.transpose(1, 2) for t in (q, k, v, go))
+        qt, kt, vt, got = (t.detach().transpose(1, 2) for t in (q, k, v, go))
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             try:
                 with sdpa_kernel(backend):
@@ -67,7 +102,7 @@ def main(path):
         rows.append(row)
         print(json.dumps(row), flush=True)
     sparse_rows = []
-    if hasattr(torch.ops.vidattn, "_block_sparse_forward_sm90") and \
+    if not fwd_vs_cudnn and hasattr(torch.ops.vidattn, "_block_sparse_forward_sm90") and \
             torch.cuda.get_device_capability() == (9, 0):
         for B, S, H, D, tile, sparsity in SPARSE:
             tiles = S // tile
@@ -92,6 +127,8 @@ def main(path):
     with open(path, "w") as f:
         json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows,
                    "sparse_rows": sparse_rows}, f, indent=1)
+    if fwd_vs_cudnn:
+        return
     print(f"{'shape':>24} {'causal':>6} | {'ours f':>7} {'cudnn f':>7} {'flash f':>7} | {'ours b':>7} {'cudnn b':>7} {'flash b':>7}")
     for r in rows:
         print(f"{str(r['shape']):>24} {str(r['causal']):>6} | " + " ".join(
@@ -103,4 +140,12 @@ def main(path):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "bench_dense_cuda.json")
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", nargs="?", default="bench_dense_cuda.json",
+                        help="JSON file for all rows")
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=SHAPES,
+                        metavar="B,S,H,D[,causal]", help="the dense shapes (replace the default)")
+    parser.add_argument("--fwd-vs-cudnn", action="store_true",
+                        help="only the forward, ours and cuDNN's, with their ratio")
+    args = parser.parse_args()
+    main(args.out, args.shapes, args.fwd_vs_cudnn)
