@@ -258,7 +258,9 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
         b.needs_mask = Visit::needs_mask(b.valid, b.valid_hi);
         return b;
       } else {
-        return visit.block(i);
+        KeyBlock b = visit.block(i);
+        if constexpr (Visit::kKeyFlags) b.key_flags = visit.lane_key_flags(b.start);
+        return b;
       }
     };
     if (n == 0) {

@@ -28,11 +28,18 @@ struct KeyBlock {
   // keys; `valid` then counts the first half's only.
   std::int64_t start_hi = 0;
   int valid_hi = 0;
+  // Key padding (DenseKeyRange with a key mask; consumer side only): bit b says whether key
+  // start + 4 * lane + b exists, for this thread's lane. apply_mask turns the warp's flags
+  // into each thread's columns with four ballots.
+  std::uint32_t key_flags = 0xFu;
 };
 
-template <int kBlockN>
+// kKeyMask: the instance for problems with a key padding mask (launch_dense_forward picks
+// it when there is one); the other instance has no key-mask code at all.
+template <int kBlockN, bool kKeyMask = false>
 struct DenseKeyRange {
-  static constexpr bool kElementMask = true;  // causal / key padding possible
+  static constexpr bool kElementMask = true;  // causal possible
+  static constexpr bool kKeyFlags = kKeyMask;  // key padding (KeyBlock::key_flags)
   static constexpr bool kProducerRecordsBlocks = false;  // block(i) is arithmetic
   // Which blocks need the mask is known before the loop (first_masked_block): the mainloop
   // runs the unmasked ones in a loop without any mask code.
@@ -65,7 +72,7 @@ struct DenseKeyRange {
   // len_k / kBlockN, and the causal diagonal at the first block whose last key passes the
   // tile's first row's limit d = q0 + len_k - len_q.
   __device__ __forceinline__ int first_masked_block() const {
-    if (key_mask != nullptr) return 0;
+    if (kKeyMask || key_mask != nullptr) return 0;  // kKeyMask: launched with a key mask
     std::int64_t first = len_k / kBlockN;
     if (causal) {
       const std::int64_t d1 = q0 + len_k - len_q + 1;
@@ -84,16 +91,42 @@ struct DenseKeyRange {
   }
   // Whether query row `i` (sequence row) may see key `j` of block b (j - b.start < valid
   // is checked by the caller).
+  // Whether query row `i` (sequence row) may see key `j` of block b (j - b.start < valid
+  // is checked by the caller). The instance without kKeyMask: a key mask is never passed to
+  // it, but its code stays as it was measured (the per-value load below; see apply_mask).
   __device__ __forceinline__ bool visible(std::int64_t i, std::int64_t j) const {
     if (causal && j > i + len_k - len_q) return false;
     if (key_mask && !key_mask[j * key_mask_row]) return false;
     return true;
+  }
+  // How many of the `valid` keys from `start` on query row `i` (sequence row) may see: a
+  // prefix, cut by the causal rule (key j visible iff j <= i + len_k - len_q); the key mask
+  // is applied by key_flags.
+  __device__ __forceinline__ int visible_keys(std::int64_t i, std::int64_t start,
+                                              int valid) const {
+    if (!causal) return valid;
+    const std::int64_t keys = i + len_k - len_q - start + 1;
+    return keys < 0 ? 0 : (keys < valid ? static_cast<int>(keys) : valid);
+  }
+  // KeyBlock::key_flags of a block starting at key `start`: four byte loads per lane, one
+  // coalesced 128-byte row per warp (was a byte load per accumulator value: 64 per thread and
+  // block, which made key-masked attention ~3.7x slower than unmasked).
+  __device__ __forceinline__ std::uint32_t lane_key_flags(std::int64_t start) const {
+    static_assert(kBlockN <= 128, "key_flags covers 4 keys per lane");
+    if (!kKeyMask || key_mask == nullptr) return 0xFu;
+    const std::int64_t j0 = start + 4 * (threadIdx.x & 31);
+    std::uint32_t flags = 0;
+#pragma unroll
+    for (int b = 0; b < 4; ++b)
+      if (j0 + b < len_k && __ldg(key_mask + (j0 + b) * key_mask_row)) flags |= 1u << b;
+    return flags;
   }
 };
 
 template <int kBlockN, bool kHalves_ = false>
 struct SparseKeyList {
   static constexpr bool kElementMask = false;  // only the per-tile valid length
+  static constexpr bool kKeyFlags = false;
   // block(i) reads the index (and block sizes) from global memory: the producer, which
   // needs it for the load anyway, records each block's valid length in shared memory.
   static constexpr bool kProducerRecordsBlocks = true;
@@ -165,27 +198,72 @@ struct SparseKeyList {
     b.needs_mask = needs_mask(b.valid, 0);
     return b;
   }
-  __device__ __forceinline__ bool visible(std::int64_t, std::int64_t) const { return true; }
 };
 
 // Sets the logits of invisible (row, key) pairs of one thread's accumulator fragment to
 // -inf. `coords(v)` gives the (row, column) of value v inside the stream's tile.
+//
+// The wgmma accumulator (one 64 x kBlockN atom per warpgroup) gives thread `lane` value v at
+// row coords(2 * ((v / 2) % 2)) and column 8 (v / 4) + 2 (lane % 4) + v % 2. So each of the
+// thread's two rows gets one limit (its first invisible column, from the valid keys and the
+// causal rule, less the thread's column offset), and each value costs one compare against
+// a constant: the per-value 64-bit causal test and key-mask load this replaced made a masked
+// key block ~4x the instructions of an unmasked one.
+// Key padding: value v's column was loaded by lane 2 (v / 4) + (lane % 4) / 2 as bit
+// 2 (lane % 2) + v % 2 of its key_flags; one ballot per flag bit gathers the warp's block,
+// after which the thread's columns sit at the even bits of two words.
 template <class Visit, class Frag, class Coords>
 __device__ __forceinline__ void apply_mask(Frag& s, const Coords& coords, const Visit& visit,
                                            const KeyBlock& kb, std::int64_t q0) {
+  constexpr int kVals = decltype(cute::size(s))::value;
+  if constexpr (!Visit::kKeyFlags) {
+    // Everything but key padding: a test per value. The limits below cut the 64-token
+    // sparse kernel's loop by 26 instructions and a causal block's by ~60%, but ptxas then
+    // scheduled the unmasked loops differently: the Wan VSA shapes measured 1.5-4% slower
+    // and dense D = 128 0.5-1% (docs/perf-notes.md).
 #pragma unroll
-  for (int v = 0; v < decltype(cute::size(s))::value; ++v) {
-    const int col = cute::get<1>(coords(v));
-    bool ok;
-    if constexpr (Visit::kHalves) {
-      constexpr int kHalf = Visit::kBlockKeys / 2;
-      ok = col < kHalf ? col < kb.valid : col - kHalf < kb.valid_hi;
-    } else {
-      ok = col < kb.valid;
+    for (int v = 0; v < kVals; ++v) {
+      const int col = cute::get<1>(coords(v));
+      bool ok;
+      if constexpr (Visit::kHalves) {
+        constexpr int kHalf = Visit::kBlockKeys / 2;
+        ok = col < kHalf ? col < kb.valid : col - kHalf < kb.valid_hi;
+      } else {
+        ok = col < kb.valid;
+      }
+      if constexpr (Visit::kElementMask)
+        ok = ok && visit.visible(q0 + cute::get<0>(coords(v)), kb.start + col);
+      if (!ok) s(v) = -INFINITY;
     }
-    if constexpr (Visit::kElementMask)
-      ok = ok && visit.visible(q0 + cute::get<0>(coords(v)), kb.start + col);
-    if (!ok) s(v) = -INFINITY;
+  } else {
+    static_assert(kVals == Visit::kBlockKeys / 2, "one 64-row wgmma atom per warpgroup");
+    const int quad = threadIdx.x & 3;
+    static_assert(!Visit::kHalves, "half-loaded blocks take the per-value path above");
+    int limit[2];  // value v is visible iff 8 (v / 4) + v % 2 < limit[(v / 2) % 2]
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      int keys = kb.valid;
+      if constexpr (Visit::kElementMask)
+        keys = visit.visible_keys(q0 + cute::get<0>(coords(2 * r)), kb.start, keys);
+      limit[r] = keys - 2 * quad;
+    }
+    std::uint32_t key_bits[2] = {~0u, ~0u};
+    if constexpr (Visit::kKeyFlags) {
+      if (visit.key_mask != nullptr) {
+        std::uint32_t words[4];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) words[b] = __ballot_sync(~0u, (kb.key_flags >> b) & 1u);
+        key_bits[0] = ((quad & 1) ? words[2] : words[0]) >> (quad >> 1);
+        key_bits[1] = ((quad & 1) ? words[3] : words[1]) >> (quad >> 1);
+      }
+    }
+#pragma unroll
+    for (int v = 0; v < kVals; ++v) {
+      const int group = v / 4, col = 8 * group + (v & 1);  // less the thread's 2 (lane % 4)
+      bool ok = col < limit[(v >> 1) & 1];
+      if constexpr (Visit::kKeyFlags) ok = ok && ((key_bits[v & 1] >> (2 * group)) & 1u);
+      if (!ok) s(v) = -INFINITY;
+    }
   }
 }
 
