@@ -35,7 +35,8 @@ struct KeyBlock {
 };
 
 // kKeyMask: the instance for problems with a key padding mask (launch_dense_forward picks
-// it when there is one); the other instance has no key-mask code at all.
+// it when there is one): key flags by ballot and per-row column limits in apply_mask. The
+// other instance keeps the per-value mask test.
 template <int kBlockN, bool kKeyMask = false>
 struct DenseKeyRange {
   static constexpr bool kElementMask = true;  // causal possible
@@ -90,10 +91,9 @@ struct DenseKeyRange {
     return b;
   }
   // Whether query row `i` (sequence row) may see key `j` of block b (j - b.start < valid
-  // is checked by the caller).
-  // Whether query row `i` (sequence row) may see key `j` of block b (j - b.start < valid
-  // is checked by the caller). The instance without kKeyMask: a key mask is never passed to
-  // it, but its code stays as it was measured (the per-value load below; see apply_mask).
+  // is checked by the caller); the per-value path of apply_mask. Its key-mask test never
+  // runs (key masks go to the kKeyMask instance) but stays: this code, as it is, gives the
+  // unmasked kernels the SASS they were measured with (see apply_mask).
   __device__ __forceinline__ bool visible(std::int64_t i, std::int64_t j) const {
     if (causal && j > i + len_k - len_q) return false;
     if (key_mask && !key_mask[j * key_mask_row]) return false;
@@ -220,7 +220,7 @@ __device__ __forceinline__ void apply_mask(Frag& s, const Coords& coords, const 
     // Everything but key padding: a test per value. The limits below cut the 64-token
     // sparse kernel's loop by 26 instructions and a causal block's by ~60%, but ptxas then
     // scheduled the unmasked loops differently: the Wan VSA shapes measured 1.5-4% slower
-    // and dense D = 128 0.5-1% (docs/perf-notes.md).
+    // and unmasked dense D = 128 up to 6% (docs/perf-notes.md, v15).
 #pragma unroll
     for (int v = 0; v < kVals; ++v) {
       const int col = cute::get<1>(coords(v));
@@ -248,20 +248,18 @@ __device__ __forceinline__ void apply_mask(Frag& s, const Coords& coords, const 
       limit[r] = keys - 2 * quad;
     }
     std::uint32_t key_bits[2] = {~0u, ~0u};
-    if constexpr (Visit::kKeyFlags) {
-      if (visit.key_mask != nullptr) {
-        std::uint32_t words[4];
+    if (visit.key_mask != nullptr) {
+      std::uint32_t words[4];
 #pragma unroll
-        for (int b = 0; b < 4; ++b) words[b] = __ballot_sync(~0u, (kb.key_flags >> b) & 1u);
-        key_bits[0] = ((quad & 1) ? words[2] : words[0]) >> (quad >> 1);
-        key_bits[1] = ((quad & 1) ? words[3] : words[1]) >> (quad >> 1);
-      }
+      for (int b = 0; b < 4; ++b) words[b] = __ballot_sync(~0u, (kb.key_flags >> b) & 1u);
+      key_bits[0] = ((quad & 1) ? words[2] : words[0]) >> (quad >> 1);
+      key_bits[1] = ((quad & 1) ? words[3] : words[1]) >> (quad >> 1);
     }
 #pragma unroll
     for (int v = 0; v < kVals; ++v) {
       const int group = v / 4, col = 8 * group + (v & 1);  // less the thread's 2 (lane % 4)
       bool ok = col < limit[(v >> 1) & 1];
-      if constexpr (Visit::kKeyFlags) ok = ok && ((key_bits[v & 1] >> (2 * group)) & 1u);
+      ok = ok && ((key_bits[v & 1] >> (2 * group)) & 1u);
       if (!ok) s(v) = -INFINITY;
     }
   }
