@@ -252,6 +252,11 @@ __device__ __forceinline__ void apply_mask(Frag& s, const Coords& coords, const 
       std::uint32_t words[4];
 #pragma unroll
       for (int b = 0; b < 4; ++b) words[b] = __ballot_sync(~0u, (kb.key_flags >> b) & 1u);
+      // Every key of the block present (the flags cover 128 keys from its start) and both
+      // rows seeing the whole block: nothing to mask, as in most blocks of a padded suffix.
+      if ((words[0] & words[1] & words[2] & words[3]) == ~0u &&
+          min(limit[0], limit[1]) >= Visit::kBlockKeys - 2 * quad)
+        return;
       key_bits[0] = ((quad & 1) ? words[2] : words[0]) >> (quad >> 1);
       key_bits[1] = ((quad & 1) ? words[3] : words[1]) >> (quad >> 1);
     }
