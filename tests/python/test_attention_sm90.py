@@ -91,13 +91,17 @@ def test_sm90_padding_masks_and_packed_views():
 # Key padding masks (their own kernel instance): lengths that end inside a 128-key block and
 # inside a lane's 4 keys, masks as views with a storage offset (not 4-byte aligned) and with a
 # key stride of 3, D = 64 past 8192 keys (where unmasked problems take the 192-row tile), and
-# masks that hide whole blocks or keep one key of a block. Every key position of a block maps to a different (lane, flag bit) of the ballots
-# in apply_mask, so a wrong column would show in the output.
+# masks that hide whole blocks or keep one key of a block. Every key position of a block maps
+# to a different (lane, flag bit) of the ballots in apply_mask, so a wrong column would show
+# in the output. "suffix": padded key suffixes, so most blocks have every key (the early exit
+# of apply_mask), also beside the causal cut.
 @pytest.mark.parametrize("Sq,Sk,D,causal,layout", [
     (700, 1001, 128, False, "contiguous"),
     (513, 1283, 128, True, "offset"),
     (300, 999, 64, False, "strided"),
     (400, 8303, 64, True, "contiguous"),
+    (1100, 1300, 128, False, "suffix"),
+    (1100, 1300, 64, True, "suffix"),
 ])
 def test_sm90_key_padding_mask(Sq, Sk, D, causal, layout):
     g = gen(zlib.crc32(repr((Sq, Sk, D, causal, layout)).encode()))
@@ -105,15 +109,19 @@ def test_sm90_key_padding_mask(Sq, Sk, D, causal, layout):
     q = randn((B, Sq, Hq, D), torch.bfloat16, g, 4.0)
     k = randn((B, Sk, Hkv, D), torch.bfloat16, g, 4.0)
     v = randn((B, Sk, Hkv, D), torch.bfloat16, g)
-    width = {"contiguous": Sk, "offset": Sk + 1, "strided": 3 * Sk}[layout]
+    width = {"contiguous": Sk, "offset": Sk + 1, "strided": 3 * Sk, "suffix": Sk}[layout]
     wide = torch.rand((B, width), generator=g, device=DEV) > 0.4
-    kmask = {"contiguous": wide, "offset": wide[:, 1:],
-             "strided": wide[:, ::3]}[layout]
+    kmask = {"contiguous": wide, "offset": wide[:, 1:], "strided": wide[:, ::3],
+             "suffix": torch.ones_like(wide)}[layout]
     assert kmask.shape == (B, Sk)
-    kmask[1] = False
-    kmask[1, 5] = True  # one visible key in a whole sequence
-    kmask[2, 128:512] = False  # whole blocks hidden
-    kmask[2, 700] = True
+    if layout == "suffix":
+        kmask[1, Sk - 301:] = False
+        kmask[2, 77:] = False
+    else:
+        kmask[1] = False
+        kmask[1, 5] = True  # one visible key in a whole sequence
+        kmask[2, 128:512] = False  # whole blocks hidden
+        kmask[2, 700] = True
     qmask = torch.rand((B, Sq), generator=g, device=DEV) > 0.1
     takes_sm90(lambda: run_and_check(q, k, v, kmask=kmask, qmask=qmask, causal=causal,
                                      seed=95, check_grads=False))

@@ -177,8 +177,9 @@ template <class T, int D>
 bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
   if (p.key_mask != nullptr) {
     // Key padding runs an instance of its own, so that the mask code does not shape the
-    // unmasked kernel (ptxas scheduled its loop differently: -0.5-1% at D = 128). It keeps
-    // to the 128-row tile at D = 64 too: one instance fewer to build.
+    // unmasked kernel (with it, ptxas scheduled the unmasked loop differently: up to -6% at
+    // D = 128; docs/perf-notes.md v15). It keeps to the 128-row tile at D = 64 too: one
+    // instance fewer to build.
     using Traits = launch_detail::DenseTraits<T, D>;
     return launch_detail::launch<Traits, DenseKeyRange<Traits::kBlockN, true>>(
         p, SparseKeyListArgs{}, stream);
