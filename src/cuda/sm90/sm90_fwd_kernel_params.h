@@ -20,6 +20,7 @@ struct FwdKernelParams {
   TileScheduler sched;
   bool pingpong = true;  // two-warpgroup streams take turns issuing their products
   float rescale_slack = 8.f;  // OnlineSoftmax::slack
+  StreamItems items;          // Traits::kStreamItems only
 };
 
 }  // namespace vidattn::cuda_sm90

@@ -45,9 +45,12 @@ using Sparse128Traits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2>;
 // Block-sparse with 64-token tiles: two 64-row streams (one query tile each); each 128-key
 // block is two selected key tiles, loaded separately (one max, exponent base and rescale per
 // 128 keys, full-width products, as in the dense kernel). One K slot and two V slots per
-// stream: the same shared memory as a 3 + 3 ring of 64-key slots.
+// stream: the same shared memory as a 3 + 3 ring of 64-key slots. A persistent grid whose
+// streams take query tiles from a counter (stream items): a stream's next Q and first K / V
+// load while it finishes a tile, which one CTA per tile cannot overlap (~30 blocks per tile
+// here, so that start and end are ~2% of the kernel; docs/perf-notes.md, Hopper v16).
 template <class T, int D>
-using Sparse64Traits = FwdTraits<CutlassElement<T>, D, 128, 1, 2, 1, 2, true>;
+using Sparse64Traits = FwdTraits<CutlassElement<T>, D, 128, 1, 2, 1, 2, true, true>;
 
 // The (rows, D, heads, batch) view TMA reads. Strides of extent-1 dimensions never matter to
 // the addresses; they are replaced by packed values so that the descriptor's 16-byte stride
@@ -159,14 +162,31 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.pingpong = pingpong_enabled();
   p.rescale_slack = rescale_slack();
   const int tiles = p.sched.total_tiles();
-  const bool persistent = a.sm_margin > 0 || persistent_grid_forced();
+  const bool persistent =
+      Traits::kStreamItems || a.sm_margin > 0 || persistent_grid_forced();
   const int grid =
       persistent ? std::min(tiles, std::max(1, sm_count() - std::max(0, a.sm_margin))) : tiles;
   cuda_sm80::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              Traits::kSmemBytes),
                         "cudaFuncSetAttribute (dynamic shared memory)");
+  if constexpr (Traits::kStreamItems) {
+    // The item counter: one int per launch, stream-ordered (allocated, zeroed, the kernel,
+    // freed), so launches on other streams never share it and graph capture records it.
+    p.items.num_q_blocks =
+        static_cast<int>((a.seqlen_q + Traits::kBlockMStream - 1) / Traits::kBlockMStream);
+    p.items.heads = a.heads_q;
+    p.items.batch = a.batch;
+    cuda_sm80::check_cuda(
+        cudaMallocAsync(reinterpret_cast<void**>(&p.items.counter), sizeof(int), stream),
+        "cudaMallocAsync (sm90 tile counter)");
+    cuda_sm80::check_cuda(cudaMemsetAsync(p.items.counter, 0, sizeof(int), stream),
+                          "cudaMemsetAsync (sm90 tile counter)");
+  }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
   cuda_sm80::check_cuda(cudaGetLastError(), "sm90 attention forward kernel launch");
+  if constexpr (Traits::kStreamItems)
+    cuda_sm80::check_cuda(cudaFreeAsync(p.items.counter, stream),
+                          "cudaFreeAsync (sm90 tile counter)");
   detail::note_sm90_forward_launch();
   return true;
 }

@@ -59,6 +59,20 @@ __device__ __forceinline__ StreamTile stream_tile(const FwdKernelParams<Traits>&
   return t;
 }
 
+// The tile of a stream item (Traits::kStreamItems): its own query tile, whichever stream
+// takes it.
+template <class Traits>
+__device__ __forceinline__ StreamTile stream_item(const FwdKernelParams<Traits>& p, int item) {
+  const TileCoord c = p.items.decode(item);
+  StreamTile t;
+  t.seq = cuda_sm80::sequence_of(p.attn, c.batch);
+  t.q0 = static_cast<std::int64_t>(c.m_block) * Traits::kBlockMStream;
+  t.head = c.head;
+  t.batch = c.batch;
+  t.active = c.valid && t.q0 < t.seq.len_q;
+  return t;
+}
+
 // wgmma helper: C (+)= A B over the k-blocks of the operands, one commit group.
 template <class Mma, class TA, class TB, class TC>
 __device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA const& a, TB const& b, TC& c,
@@ -107,9 +121,20 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
   RingState<Traits::kStagesK> k_ring;
   RingState<Traits::kStagesV> v_ring;
   uint32_t q_phase = 0;
+  // Static schedule: the slots of this CTA. Stream items: taken one at a time, each once the
+  // previous tile's loads are issued, so the atomic's latency passes while the consumers
+  // finish that tile and no stream holds an item it cannot start soon.
   const int rounds_end = p.sched.rounds_end(gridDim.x);
-  for (int slot = blockIdx.x; slot < rounds_end; slot += gridDim.x) {
-    const StreamTile t = stream_tile(p, slot, stream);
+  for (int slot = blockIdx.x;; slot += gridDim.x) {
+    if constexpr (Traits::kStreamItems) {
+      slot = p.items.take();
+      if (slot < 0) break;
+    } else if (slot >= rounds_end) {
+      break;
+    }
+    StreamTile t;
+    if constexpr (Traits::kStreamItems) t = stream_item(p, slot);
+    else t = stream_tile(p, slot, stream);
     if (!t.active) continue;
     // Varlen: sequences are row ranges of one [T, H, D] view (batch extent 1).
     const int tb = p.attn.varlen ? 0 : t.batch;
@@ -120,6 +145,11 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
     const int n = visit.num_blocks();
 
     Barrier::wait(&st.q_empty, q_phase ^ 1u);
+    if constexpr (Traits::kStreamItems) {
+      // Published by the arrive below (release) and the consumers' wait (acquire).
+      st.item = slot;
+      st.item_blocks = n;
+    }
     Barrier::arrive_and_expect_tx(&st.q_full, Traits::kQBytes);
     Tensor gQ = local_tile(domain_offset(make_coord(q_base + static_cast<int>(t.q0), _0{}),
                                          mQ(_, _, t.head, tb)),
@@ -147,6 +177,12 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
                  k_base, hk, tb);
       v_ring.advance();
     }
+  }
+  if constexpr (Traits::kStreamItems) {
+    // No more tiles: an item of -1 with an empty Q (a plain arrive) ends the consumers' loop.
+    Barrier::wait(&st.q_empty, q_phase ^ 1u);
+    st.item = -1;
+    Barrier::arrive(&st.q_full);
   }
 }
 
@@ -225,12 +261,26 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     if constexpr (!kOneRing) v_ring_own.advance();
   };
   uint32_t q_phase = 0;
+  // Static schedule: the slots of this CTA. Stream items: the item that comes with each Q
+  // (-1: no more), waited for here.
   const int rounds_end = p.sched.rounds_end(gridDim.x);
-  for (int slot = blockIdx.x; slot < rounds_end; slot += gridDim.x) {
-    StreamTile t = stream_tile(p, slot, stream);
+  for (int slot = blockIdx.x;; slot += gridDim.x) {
+    if constexpr (Traits::kStreamItems) {
+      Barrier::wait(&st.q_full, q_phase);
+      q_phase ^= 1u;
+      slot = st.item;
+      if (slot < 0) break;
+    } else if (slot >= rounds_end) {
+      break;
+    }
+    StreamTile t;
+    if constexpr (Traits::kStreamItems) t = stream_item(p, slot);
+    else t = stream_tile(p, slot, stream);
     if (!t.active) continue;
     Visit visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
-    const int n = visit.num_blocks();
+    int n;
+    if constexpr (Traits::kStreamItems) n = st.item_blocks;
+    else n = visit.num_blocks();
     // Block-sparse: the end of the stream's query tile's valid slots (a stream's rows lie in
     // one tile); loaded now, read by the epilogue.
     auto query_row_limit = [&]() {
@@ -246,8 +296,10 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     OnlineSoftmax softmax(p.attn.scale, p.rescale_slack);
     float alpha[2];
 
-    Barrier::wait(&st.q_full, q_phase);
-    q_phase ^= 1u;
+    if constexpr (!Traits::kStreamItems) {
+      Barrier::wait(&st.q_full, q_phase);
+      q_phase ^= 1u;
+    }
     // The key block of ring slot `stage`, whose K has landed: the producer's record of it
     // where the policy reads the index (no global load in this loop), else the policy.
     auto landed_block = [&](int i, int stage) {
@@ -329,7 +381,8 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       // the old values.
       int same_slot = slot;
       asm volatile("" : "+r"(same_slot));
-      t = stream_tile(p, same_slot, stream);
+      if constexpr (Traits::kStreamItems) t = stream_item(p, same_slot);
+      else t = stream_tile(p, same_slot, stream);
       visit = Visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
       row_limit = query_row_limit();
       for (; i < n; ++i) step(i, cute::Int<1>{});

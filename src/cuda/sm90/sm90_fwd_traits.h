@@ -20,9 +20,11 @@ namespace vidattn::cuda_sm90 {
 
 // kStagesK / kStagesV: ring slots of K and V blocks. kHalfLoads: each kBlockN-key block is
 // filled by two TMA loads of kBlockN / 2 rows from independent places (two key tiles of half
-// the block's size), so the consumers run the full-width products on them.
+// the block's size), so the consumers run the full-width products on them. kStreamItems: a
+// persistent grid whose streams take their query tiles one at a time from a global counter
+// (StreamItems, sm90_tile_scheduler.h) instead of CTA-sized tiles by slot.
 template <class Element_, int kHeadDim_, int kBlockN_, int kWGPerStream_, int kStreams_,
-          int kStagesK_, int kStagesV_, bool kHalfLoads_ = false>
+          int kStagesK_, int kStagesV_, bool kHalfLoads_ = false, bool kStreamItems_ = false>
 struct FwdTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
   static constexpr int kHeadDim = kHeadDim_;
@@ -32,6 +34,7 @@ struct FwdTraits {
   static constexpr int kStagesK = kStagesK_;
   static constexpr int kStagesV = kStagesV_;
   static constexpr bool kHalfLoads = kHalfLoads_;
+  static constexpr bool kStreamItems = kStreamItems_;
   static constexpr int kLoadRows = kHalfLoads ? kBlockN / 2 : kBlockN;  // rows per TMA load
   static constexpr int kBlockMStream = 64 * kWGPerStream;
   static constexpr int kBlockM = kBlockMStream * kStreams;  // query rows per CTA tile
@@ -110,6 +113,9 @@ struct FwdTraits {
     uint64_t v_full[kStagesV], v_empty[kStagesV];
     // Keys of the block in each K slot, per load (policies that record it).
     int block_valid[kStagesK][2];
+    // kStreamItems: the stream's next query tile and its key-block count, written by the
+    // producer before it arrives on q_full (item -1: no more tiles).
+    int item, item_blocks;
   };
   struct SharedStorage {
     StreamStorage stream[kStreams];

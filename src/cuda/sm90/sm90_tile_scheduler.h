@@ -55,4 +55,34 @@ struct TileScheduler {
   }
 };
 
+// Stream items (FwdTraits::kStreamItems): every stream of every CTA of a persistent grid
+// takes its next query tile of kBlockMStream rows from one global counter, in item order:
+// query tiles fastest, then head and batch, so the tiles in flight share their heads' K and
+// V in L2 as with one CTA per tile. Taking tiles as streams free up keeps that window
+// narrow, which a persistent grid's fixed slots do not: at Wan 720p (47 MB of K and V per
+// head) CTAs that drift apart over 218 rounds cost 4%; and a CTA that starts late (NCCL
+// holding its SM) simply takes fewer tiles.
+struct StreamItems {
+  int num_q_blocks = 0;  // query tiles of kBlockMStream rows per (head, batch)
+  int heads = 0;
+  int batch = 0;
+  int* counter = nullptr;  // zeroed before the launch
+
+  __host__ __device__ int total() const { return num_q_blocks * heads * batch; }
+  __device__ __forceinline__ TileCoord decode(int item) const {
+    TileCoord c;
+    c.m_block = item % num_q_blocks;
+    const int bh = item / num_q_blocks;
+    c.head = bh % heads;
+    c.batch = bh / heads;
+    c.valid = item < total();
+    return c;
+  }
+  // The next item, or -1 when none is left (called by one thread per stream).
+  __device__ __forceinline__ int take() const {
+    const int item = atomicAdd(counter, 1);
+    return item < total() ? item : -1;
+  }
+};
+
 }  // namespace vidattn::cuda_sm90
