@@ -171,8 +171,9 @@ struct BlockSparseOptions {
   bool validate_index = true;
   // CUDA on Hopper: streaming multiprocessors the forward kernel leaves free for kernels
   // running alongside: > 0 runs it on a persistent grid of (SMs - sm_margin) CTAs (never
-  // fewer than one); 0 (default) launches one CTA per tile, which the hardware places as SMs
-  // free up. Ignored by the other backends.
+  // fewer than one). With 0 (default), 64-token tiles run on a persistent grid of one CTA per
+  // SM whose query tiles are handed out as CTAs free up, and 128 / 256-token tiles launch one
+  // CTA per tile, which the hardware places as SMs free up. Ignored by the other backends.
   int sm_margin = 0;
   int num_threads = 0;
   void* stream = nullptr;  // cudaStream_t for CUDA tensors (null: the legacy default stream)
