@@ -183,10 +183,13 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
                           "cudaMemsetAsync (sm90 tile counter)");
   }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
-  cuda_sm80::check_cuda(cudaGetLastError(), "sm90 attention forward kernel launch");
-  if constexpr (Traits::kStreamItems)
-    cuda_sm80::check_cuda(cudaFreeAsync(p.items.counter, stream),
-                          "cudaFreeAsync (sm90 tile counter)");
+  const cudaError_t launched = cudaGetLastError();
+  if constexpr (Traits::kStreamItems) {
+    const cudaError_t freed = cudaFreeAsync(p.items.counter, stream);  // also after a failure
+    cuda_sm80::check_cuda(launched, "sm90 attention forward kernel launch");
+    cuda_sm80::check_cuda(freed, "cudaFreeAsync (sm90 tile counter)");
+  }
+  cuda_sm80::check_cuda(launched, "sm90 attention forward kernel launch");
   detail::note_sm90_forward_launch();
   return true;
 }
