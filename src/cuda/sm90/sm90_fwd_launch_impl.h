@@ -184,12 +184,11 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   }
   kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
   const cudaError_t launched = cudaGetLastError();
-  if constexpr (Traits::kStreamItems) {
-    const cudaError_t freed = cudaFreeAsync(p.items.counter, stream);  // also after a failure
-    cuda_sm80::check_cuda(launched, "sm90 attention forward kernel launch");
-    cuda_sm80::check_cuda(freed, "cudaFreeAsync (sm90 tile counter)");
-  }
+  cudaError_t freed = cudaSuccess;
+  if constexpr (Traits::kStreamItems)
+    freed = cudaFreeAsync(p.items.counter, stream);  // also after a failed launch
   cuda_sm80::check_cuda(launched, "sm90 attention forward kernel launch");
+  cuda_sm80::check_cuda(freed, "cudaFreeAsync (sm90 tile counter)");
   detail::note_sm90_forward_launch();
   return true;
 }

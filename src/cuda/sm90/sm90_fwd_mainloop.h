@@ -73,6 +73,14 @@ __device__ __forceinline__ StreamTile stream_item(const FwdKernelParams<Traits>&
   return t;
 }
 
+// The tile of `slot`: a stream item (Traits::kStreamItems) or a slot of the static schedule.
+template <class Traits>
+__device__ __forceinline__ StreamTile tile_of_slot(const FwdKernelParams<Traits>& p, int slot,
+                                                   int stream) {
+  if constexpr (Traits::kStreamItems) return stream_item(p, slot);
+  else return stream_tile(p, slot, stream);
+}
+
 // wgmma helper: C (+)= A B over the k-blocks of the operands, one commit group.
 template <class Mma, class TA, class TB, class TC>
 __device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA const& a, TB const& b, TC& c,
@@ -132,9 +140,8 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
     } else if (slot >= rounds_end) {
       break;
     }
-    StreamTile t;
-    if constexpr (Traits::kStreamItems) t = stream_item(p, slot);
-    else t = stream_tile(p, slot, stream);
+    StreamTile t;  // assigned, not initialised: the SASS measured in v16 (ptxas reorders
+    t = tile_of_slot(p, slot, stream);  // the producer's setup for the other form)
     if (!t.active) continue;
     // Varlen: sequences are row ranges of one [T, H, D] view (batch extent 1).
     const int tb = p.attn.varlen ? 0 : t.batch;
@@ -273,9 +280,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     } else if (slot >= rounds_end) {
       break;
     }
-    StreamTile t;
-    if constexpr (Traits::kStreamItems) t = stream_item(p, slot);
-    else t = stream_tile(p, slot, stream);
+    StreamTile t = tile_of_slot(p, slot, stream);
     if (!t.active) continue;
     Visit visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
     int n;
@@ -381,8 +386,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       // the old values.
       int same_slot = slot;
       asm volatile("" : "+r"(same_slot));
-      if constexpr (Traits::kStreamItems) t = stream_item(p, same_slot);
-      else t = stream_tile(p, same_slot, stream);
+      t = tile_of_slot(p, same_slot, stream);
       visit = Visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
       row_limit = query_row_limit();
       for (; i < n; ++i) step(i, cute::Int<1>{});
