@@ -486,6 +486,70 @@ std::tuple<Tensor, Tensor> block_sparse_attention_autograd(
   return std::make_tuple(r[0], r[1]);
 }
 
+// ---- VSA's fine branch and combination in one op (inference) ------------------------------
+
+std::tuple<Tensor, Tensor, Tensor> vsa_fine_combined_kernel(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q2k_index,
+    const Tensor& q2k_count, const Tensor& coarse, const OptTensor& gate,
+    const Tensor& q_block_sizes, int64_t tile_volume, const OptTensor& kv_block_sizes,
+    std::optional<double> scale, bool validate_index, int64_t sm_margin) {
+  constexpr const char* fn = "vidattn.vsa_fine_combined";
+  const at::OptionalDeviceGuard device_guard(at::device_of(q));
+  require_int32(q2k_index, fn, "q2k_index");
+  require_int32(q2k_count, fn, "q2k_count");
+  require_int32(q_block_sizes, fn, "q_block_sizes");
+  require_int32(kv_block_sizes, fn, "kv_block_sizes");
+  return translate_errors([&] {
+    const SparseArgs a{tile_volume, q_block_sizes, kv_block_sizes, scale, true, validate_index,
+                       sm_margin};
+    const TensorView qv = view_of(q, fn, "q"), kv = view_of(k, fn, "k"), vv = view_of(v, fn, "v");
+    const TensorView iv = view_of(q2k_index, fn, "q2k_index"), cv = view_of(q2k_count, fn, "q2k_count");
+    const BlockSparseOptions o = options_of(a, fn, q);
+    const BlockSparseProblem p = describe_block_sparse_attention(qv, kv, vv, iv, cv, o);
+    Tensor fine = at::empty({p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, q.options());
+    Tensor lse = at::empty({p.batch, p.heads_q, p.seqlen_q}, q.options().dtype(lse_scalar_type(q)));
+    Tensor out = at::empty_like(fine);
+    vsa_fine_combine_forward(qv, kv, vv, iv, cv, view_of(coarse, fn, "coarse"),
+                             view_of(gate, fn, "gate"), view_of(fine, fn, "fine"),
+                             view_of(lse, fn, "lse"), view_of(out, fn, "out"), o);
+    return std::make_tuple(out, fine, lse);
+  });
+}
+
+std::tuple<Tensor, Tensor, Tensor> vsa_fine_combined_meta(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q2k_index,
+    const Tensor& q2k_count, const Tensor& coarse, const OptTensor& gate,
+    const Tensor& q_block_sizes, int64_t tile_volume, const OptTensor& kv_block_sizes,
+    std::optional<double> scale, bool validate_index, int64_t sm_margin) {
+  auto [fine, lse] = block_sparse_attention_meta(q, k, v, q2k_index, q2k_count, tile_volume,
+                                                 q_block_sizes, kv_block_sizes, scale, true,
+                                                 validate_index, sm_margin);
+  constexpr const char* fn = "vidattn.vsa_fine_combined";
+  require_int32(q_block_sizes, fn, "q_block_sizes");
+  TORCH_CHECK_VALUE(coarse.dim() == 4, fn, ": 'coarse' must be 4-D [B, Qtiles, H, D], got ",
+                    coarse.dim(), "-D");
+  TORCH_CHECK_VALUE(!(gate && gate->defined()) || gate->dim() == 4, fn, ": 'gate' must be 4-D like q");
+  return std::make_tuple(at::empty_like(fine), fine, lse);
+}
+
+// No gradient: the training path keeps the two ops (block_sparse_attention, vsa_combine),
+// whose backward needs the fine output anyway.
+std::tuple<Tensor, Tensor, Tensor> vsa_fine_combined_autograd(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q2k_index,
+    const Tensor& q2k_count, const Tensor& coarse, const OptTensor& gate,
+    const Tensor& q_block_sizes, int64_t tile_volume, const OptTensor& kv_block_sizes,
+    std::optional<double> scale, bool validate_index, int64_t sm_margin) {
+  static auto op = find_op<decltype(vsa_fine_combined_kernel)>("vidattn::vsa_fine_combined");
+  TORCH_CHECK(!at::GradMode::is_enabled() ||
+                  !(q.requires_grad() || k.requires_grad() || v.requires_grad() ||
+                    coarse.requires_grad() || (gate && gate->defined() && gate->requires_grad())),
+              "vidattn.vsa_fine_combined: inference only (no gradient); with tensors that "
+              "require grad use vidattn.block_sparse_attention and vidattn.vsa_combine");
+  at::AutoDispatchBelowADInplaceOrView guard;
+  return op.call(q, k, v, q2k_index, q2k_count, coarse, gate, q_block_sizes, tile_volume,
+                 kv_block_sizes, scale, validate_index, sm_margin);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vidattn, m) {
@@ -508,6 +572,12 @@ TORCH_LIBRARY_FRAGMENT(vidattn, m) {
       "float? scale=None, bool deterministic=True, bool validate_index=True, int sm_margin=0) "
       "-> "
       "(Tensor out, Tensor lse)",
+      tags);
+  m.def(
+      "vsa_fine_combined(Tensor q, Tensor k, Tensor v, Tensor q2k_index, Tensor q2k_count, "
+      "Tensor coarse, Tensor? gate, Tensor q_block_sizes, *, int tile_volume=64, "
+      "Tensor? kv_block_sizes=None, float? scale=None, bool validate_index=True, "
+      "int sm_margin=0) -> (Tensor out, Tensor fine, Tensor lse)",
       tags);
   m.def(
       "block_sparse_transpose_index(Tensor q2k_index, Tensor q2k_count, int num_kv_tiles, *, "
@@ -537,6 +607,7 @@ static void impl_device_kernels(torch::Library& m) {
   m.impl("topk_tiles", &topk_tiles_kernel);
   m.impl("topk_tiles_from_scores", &topk_tiles_from_scores_kernel);
   m.impl("block_sparse_attention", &block_sparse_attention_kernel);
+  m.impl("vsa_fine_combined", &vsa_fine_combined_kernel);
   m.impl("block_sparse_transpose_index", &transpose_index_kernel);
   m.impl("block_sparse_attention_backward", &block_sparse_backward_kernel);
 }
@@ -553,6 +624,7 @@ TORCH_LIBRARY_IMPL(vidattn, Meta, m) {
   m.impl("topk_tiles", &topk_tiles_meta);
   m.impl("topk_tiles_from_scores", &topk_tiles_from_scores_meta);
   m.impl("block_sparse_attention", &block_sparse_attention_meta);
+  m.impl("vsa_fine_combined", &vsa_fine_combined_meta);
   m.impl("block_sparse_transpose_index", &transpose_index_meta);
   m.impl("block_sparse_attention_backward", &block_sparse_backward_meta);
 }
@@ -561,6 +633,7 @@ TORCH_LIBRARY_IMPL(vidattn, Autograd, m) {
   m.impl("gather_tokens", &gather_tokens_autograd);
   m.impl("tile_mean_pool", &tile_mean_pool_autograd);
   m.impl("block_sparse_attention", &block_sparse_attention_autograd);
+  m.impl("vsa_fine_combined", &vsa_fine_combined_autograd);
   m.impl("tile_mean_pool_backward", refusing_double_backward());
   m.impl("block_sparse_attention_backward", refusing_double_backward());
 }

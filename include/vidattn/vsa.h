@@ -205,6 +205,20 @@ void block_sparse_attention_forward(const TensorView& q, const TensorView& k, co
                                     const TensorView& out, const TensorView& lse,
                                     const BlockSparseOptions& options);
 
+// VSA's fine branch and its combination in one call, for inference: fine and lse as
+// block_sparse_attention_forward writes them, and out as vsa_combine(fine, coarse, gate,
+// *options.q_block_sizes, options.tile_volume, out) writes it, bit for bit (vsa_combine.h:
+// out = fine + gate * coarse on each tile's valid slots, fine on padded ones). On Hopper with
+// 64-token tiles the combination runs inside the fine kernel, on warps that would otherwise
+// wait, instead of as a second pass over fine, gate and out; elsewhere it is the two calls.
+// options.q_block_sizes is required; coarse [B, Qtiles, Hq, Dv] and gate (optional) and out
+// (like fine) in q's dtype, unit-stride last dimensions. Throws ValueError / TypeError.
+void vsa_fine_combine_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                              const TensorView& q2k_index, const TensorView& q2k_count,
+                              const TensorView& coarse, const std::optional<TensorView>& gate,
+                              const TensorView& fine, const TensorView& lse,
+                              const TensorView& out, const BlockSparseOptions& options);
+
 // Builds the k2q transpose (format above) of a valid q2k index. `stream` (a cudaStream_t) is
 // used for CUDA tensors.
 void block_sparse_transpose_index(const TensorView& q2k_index, const TensorView& q2k_count,

@@ -237,10 +237,20 @@ def video_sparse_attention(
     if gate is not None and (not isinstance(gate, torch.Tensor) or gate.shape != q.shape):
         raise ValueError(f"video_sparse_attention: gate must have q's shape {tuple(q.shape)}, got "
                          f"{tuple(gate.shape) if isinstance(gate, torch.Tensor) else type(gate)}")
-    o_s, o_c, selection = _vsa_branches(q, k, v, tiling, kv_tiling, topk, sparsity, scale,
-                                         sm_margin)
-    # out = o_s + gate * (o_c on each tile's valid slots), in one pass.
-    out = _ops.vsa_combine(o_s, o_c, gate, tiling.block_sizes, tiling.tile_volume)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, gate)):
+        o_s, o_c, selection = _vsa_branches(q, k, v, tiling, kv_tiling, topk, sparsity, scale,
+                                             sm_margin)
+        # out = o_s + gate * (o_c on each tile's valid slots), in one pass.
+        out = _ops.vsa_combine(o_s, o_c, gate, tiling.block_sizes, tiling.tile_volume)
+    else:
+        # Inference: the same bits from one op, which on Hopper combines inside the fine kernel.
+        o_c, selection = _vsa_coarse_and_selection(q, k, v, tiling, kv_tiling, topk, sparsity,
+                                                   scale)
+        q2k_index, q2k_count = selection
+        out, _, _ = _ops.vsa_fine_combined(
+            q, k, v, q2k_index, q2k_count, o_c, gate, tiling.block_sizes,
+            tile_volume=tiling.tile_volume, kv_block_sizes=kv_tiling.block_sizes, scale=scale,
+            validate_index=False, sm_margin=int(sm_margin))
     return (out, selection) if return_selection else out
 
 
@@ -284,11 +294,18 @@ def _vsa_branches(q, k, v, tiling: VideoTiling, kv_tiling: VideoTiling, topk: in
     ``[B, Tiles, H, Dv]`` and the selection ``(q2k_index, q2k_count)``. The stages are
     separate functions because the sequence-parallel layer runs them as its inputs arrive
     and combines the branches itself, on the rows each rank holds."""
+    o_c, selection = _vsa_coarse_and_selection(q, k, v, tiling, kv_tiling, topk, sparsity, scale)
+    o_s = _vsa_fine(q, k, v, selection, tiling, kv_tiling, scale, sm_margin)
+    return o_s, o_c, selection
+
+
+def _vsa_coarse_and_selection(q, k, v, tiling: VideoTiling, kv_tiling: VideoTiling, topk: int,
+                              sparsity, scale):
+    """The coarse output ``o_c`` and the selection, from the tile means of q, k, v."""
     q_c, k_c, v_c = (_vsa_pool(x, t) for x, t in ((q, tiling), (k, kv_tiling), (v, kv_tiling)))
     o_c = _vsa_coarse(q_c, k_c, v_c, tiling, kv_tiling, scale)
     selection = _vsa_select(q_c, k_c, tiling, kv_tiling, topk, sparsity, scale)
-    o_s = _vsa_fine(q, k, v, selection, tiling, kv_tiling, scale, sm_margin)
-    return o_s, o_c, selection
+    return o_c, selection
 
 
 def _vsa_pool(x, tiling: VideoTiling):

@@ -6,8 +6,11 @@
 #include <cstdint>
 #include <stdexcept>
 
+#include "backends.h"
 #include "check.h"
+#include "vidattn/vsa_combine.h"
 #include "vsa_backends.h"
+#include "vsa_combine_backends.h"
 #if VIDATTN_WITH_CUDA
 #include "../cuda/vsa_coarse_launch.h"
 #endif
@@ -491,12 +494,43 @@ void block_sparse_attention_forward(const TensorView& q, const TensorView& k, co
   check_sparse_outputs(check, p, out, lse);
   if (p.device.kind != DeviceKind::kCPU) {
 #ifdef VIDATTN_WITH_CUDA
-    return detail::cuda_block_sparse_forward(p, q, k, v, q2k_index, q2k_count, out, lse, options);
+    detail::cuda_block_sparse_forward(p, q, k, v, q2k_index, q2k_count, out, lse, options);
+    return;
 #else
     no_cuda(kFn);
 #endif
   }
   detail::cpu_block_sparse_forward(p, q, k, v, q2k_index, q2k_count, out, lse, options);
+}
+
+void vsa_fine_combine_forward(const TensorView& q, const TensorView& k, const TensorView& v,
+                              const TensorView& q2k_index, const TensorView& q2k_count,
+                              const TensorView& coarse, const std::optional<TensorView>& gate,
+                              const TensorView& fine, const TensorView& lse,
+                              const TensorView& out, const BlockSparseOptions& options) {
+  constexpr const char* kFn = "vidattn::vsa_fine_combine_forward";
+  const ArgChecker check(kFn);
+  if (!options.q_block_sizes)
+    check.fail("options.q_block_sizes is required: the combination's tile sizes");
+  const BlockSparseProblem p = describe_sparse(kFn, q, k, v, q2k_index, q2k_count, options);
+  check_sparse_data(check, q, k, v, q2k_index, q2k_count, options);
+  check_sparse_outputs(check, p, fine, lse);
+  detail::check_vsa_combine_arguments(kFn, fine, coarse, gate, *options.q_block_sizes,
+                                      options.tile_volume, out);
+  if (p.device.kind != DeviceKind::kCPU) {
+#ifdef VIDATTN_WITH_CUDA
+    const detail::CombineViews views{&coarse, gate ? &*gate : nullptr, &out};
+    if (detail::cuda_block_sparse_forward(p, q, k, v, q2k_index, q2k_count, fine, lse, options,
+                                          &views))
+      return;
+#else
+    no_cuda(kFn);
+#endif
+  } else {
+    detail::cpu_block_sparse_forward(p, q, k, v, q2k_index, q2k_count, fine, lse, options);
+  }
+  vsa_combine(fine, coarse, gate, *options.q_block_sizes, options.tile_volume, out,
+              options.num_threads, options.stream);
 }
 
 void block_sparse_transpose_index(const TensorView& q2k_index, const TensorView& q2k_count,

@@ -43,11 +43,15 @@ void cpu_block_sparse_backward(const BlockSparseProblem& p, const TensorView& q,
 // {64, 128}; anything else throws NotImplementedError. Asynchronous on the given stream,
 // except the index check of the forward and of the transpose (vsa.h), which is skipped while
 // the stream is being captured or when validate_index is false.
-void cuda_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
+// With `combine` (vsa_fine_combine_forward) it returns whether the combination was written
+// too (the fused sm_90a kernel); false: only out and lse were, and the caller combines.
+struct CombineViews;
+bool cuda_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
                                const TensorView& k, const TensorView& v,
                                const TensorView& q2k_index, const TensorView& q2k_count,
                                const TensorView& out, const TensorView& lse,
-                               const BlockSparseOptions& options);
+                               const BlockSparseOptions& options,
+                               const CombineViews* combine = nullptr);
 void cuda_block_sparse_transpose_index(const TensorView& q2k_index, const TensorView& q2k_count,
                                        std::int64_t num_kv_tiles, const TensorView& k2q_offsets,
                                        const TensorView& k2q_index, void* stream,

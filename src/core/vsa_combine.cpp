@@ -173,6 +173,17 @@ void launch_backward(const char* fn, detail::CombineLaunchParams lp,
 
 }  // namespace
 
+namespace detail {
+void check_vsa_combine_arguments(const char* function, const TensorView& fine,
+                                 const TensorView& coarse, const std::optional<TensorView>& gate,
+                                 const TensorView& block_sizes, std::int64_t tile_volume,
+                                 const TensorView& out) {
+  const ArgChecker check(function);
+  check_combine(check, fine, "fine", coarse, gate, block_sizes, tile_volume);
+  check_output(check, out, "out", fine);
+}
+}  // namespace detail
+
 void vsa_combine(const TensorView& fine, const TensorView& coarse,
                  const std::optional<TensorView>& gate, const TensorView& block_sizes,
                  std::int64_t tile_volume, const TensorView& out, int num_threads,

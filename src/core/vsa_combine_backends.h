@@ -8,6 +8,13 @@
 
 namespace vidattn::detail {
 
+// vsa_combine's checks of its arguments, under another entry point's name
+// (vsa_fine_combine_forward checks the combination it will write before the fine kernel runs).
+void check_vsa_combine_arguments(const char* function, const TensorView& fine,
+                                 const TensorView& coarse, const std::optional<TensorView>& gate,
+                                 const TensorView& block_sizes, std::int64_t tile_volume,
+                                 const TensorView& out);
+
 // The block sizes are host data here (CPU tensors), checked to lie in [0, tile_volume].
 void cpu_vsa_combine(const TensorView& fine, const TensorView& coarse,
                      const std::optional<TensorView>& gate, const TensorView& block_sizes,

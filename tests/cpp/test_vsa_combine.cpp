@@ -154,3 +154,55 @@ TEST(VsaCombineRows, ForwardAndBackwardOnARunOfRows) {
 }
 
 }  // namespace
+
+namespace {
+
+// vsa_fine_combine_forward on the CPU: the same bits as block_sparse_attention_forward followed
+// by vsa_combine, every output written (NaN-poisoned before), and q_block_sizes required.
+TEST(VsaFineCombine, EqualsTheTwoCallsAndNeedsBlockSizes) {
+  const std::int64_t V = 64, H = 2, D = 8, Qt = 3, Kt = 2, S = Qt * V, Sk = Kt * V;
+  const auto q = random_vector(S * H * D, 11), k = random_vector(Sk * H * D, 12),
+             v = random_vector(Sk * H * D, 13), coarse = random_vector(Qt * H * D, 14),
+             gate = random_vector(S * H * D, 15);
+  std::vector<std::int32_t> index = {0, 1, 1, -1, 0, -1, 1, 0, 0, 1, 1, -1};
+  std::vector<std::int32_t> count = {2, 1, 1, 1, 2, 1};
+  // index rows must be ascending: row (h1, t0) = {1, 0} is rewritten to {0, 1}
+  index[6] = 0, index[7] = 1;
+  std::vector<std::int32_t> q_sizes = {64, 0, 30}, kv_sizes = {64, 5};
+  auto view = [](const std::vector<double>& x, std::initializer_list<std::int64_t> shape) {
+    return make_view(const_cast<double*>(x.data()), DType::kFloat64, shape);
+  };
+  const auto qv = view(q, {1, S, H, D}), kv = view(k, {1, Sk, H, D}), vv = view(v, {1, Sk, H, D});
+  const auto cv = view(coarse, {1, Qt, H, D}), gv = view(gate, {1, S, H, D});
+  const auto iv = make_view(index.data(), DType::kInt32, {1, H, Qt, 2});
+  const auto nv = make_view(count.data(), DType::kInt32, {1, H, Qt});
+  vidattn::BlockSparseOptions o;
+  o.q_block_sizes = make_view(q_sizes.data(), DType::kInt32, {Qt});
+  o.kv_block_sizes = make_view(kv_sizes.data(), DType::kInt32, {Kt});
+  std::vector<double> fine(S * H * D, kNaN), lse(H * S, kNaN), out(S * H * D, kNaN);
+  vidattn::vsa_fine_combine_forward(qv, kv, vv, iv, nv, cv, gv, view(fine, {1, S, H, D}),
+                                    view(lse, {1, H, S}), view(out, {1, S, H, D}), o);
+  std::vector<double> fine2(S * H * D, kNaN), lse2(H * S, kNaN), out2(S * H * D, kNaN);
+  vidattn::block_sparse_attention_forward(qv, kv, vv, iv, nv, view(fine2, {1, S, H, D}),
+                                          view(lse2, {1, H, S}), o);
+  vidattn::vsa_combine(view(fine2, {1, S, H, D}), cv, gv, *o.q_block_sizes, V,
+                       view(out2, {1, S, H, D}));
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    ASSERT_FALSE(std::isnan(out[i])) << i;
+    ASSERT_EQ(out[i], out2[i]) << i;
+    ASSERT_EQ(fine[i], fine2[i]) << i;
+  }
+  for (std::size_t i = 0; i < lse.size(); ++i)
+    ASSERT_TRUE(lse[i] == lse2[i] || (std::isinf(lse[i]) && std::isinf(lse2[i]))) << i;
+
+  o.q_block_sizes.reset();
+  try {
+    vidattn::vsa_fine_combine_forward(qv, kv, vv, iv, nv, cv, gv, view(fine, {1, S, H, D}),
+                                      view(lse, {1, H, S}), view(out, {1, S, H, D}), o);
+    FAIL() << "no q_block_sizes did not throw";
+  } catch (const vidattn::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("q_block_sizes"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace

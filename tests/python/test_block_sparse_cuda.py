@@ -333,3 +333,63 @@ def test_sm_margin_leaves_the_result_bit_identical(tile):
         got = vidattn.block_sparse_attention(q, k, v, idx, cnt, tile_volume=tile,
                                              return_lse=True, sm_margin=margin)
         assert all(torch.equal(a, b) for a, b in zip(full, got)), margin
+
+
+# ---- VSA's fine branch and combination in one op (vidattn.vsa_fine_combined) -----------------
+
+@pytest.mark.parametrize("dtype,V,D,use_gate,margin", [
+    (torch.bfloat16, 64, 128, True, 0),
+    (torch.float16, 64, 64, True, 0),
+    (torch.bfloat16, 64, 64, False, 0),
+    (torch.bfloat16, 64, 128, True, 100000),  # one CTA: two combining warps take every tile
+    (torch.float16, 128, 128, True, 0),        # no fused kernel: the two passes
+])
+def test_fine_combined_gives_the_bits_of_the_two_ops(dtype, V, D, use_gate, margin):
+    """The fused op (on Hopper, 64-token tiles: the combination inside the fine kernel) writes
+    exactly block_sparse_attention's out and lse and vsa_combine's result, on NaN-poisoned
+    memory, with partial and empty query tiles, a query tile that selected nothing, GQA."""
+    B, Hq, Hkv, Qt, Kt = 2, 4, 2, 37, 29
+    q, k, v, idx, cnt, qs, ks = make_case(dtype, V, B, Hq, Hkv, D, Qt, Kt, 7, 4.0, 140)
+    coarse = randn((B, Qt, Hq, D), 141, dtype)
+    gate = randn((B, Qt * V, Hq, D), 142, dtype) if use_gate else None
+    args = [x.to(DEV) for x in (q, k, v, idx, cnt)]
+    coarse_d, qs_d, ks_d = coarse.to(DEV), qs.to(DEV), ks.to(DEV)
+    gate_d = gate.to(DEV) if use_gate else None
+    fine, lse = ops.block_sparse_attention(*args, tile_volume=V, q_block_sizes=qs_d,
+                                           kv_block_sizes=ks_d, sm_margin=margin)
+    want = ops.vsa_combine(fine, coarse_d, gate_d, qs_d, V)
+    for _ in range(2):
+        poison_allocator(B * Qt * V * Hq * D * 2)
+        got = ops.vsa_fine_combined(*args, coarse_d, gate_d, qs_d, tile_volume=V,
+                                    kv_block_sizes=ks_d, sm_margin=margin)
+        torch.cuda.synchronize()
+        for name, a, b in zip(("out", "fine", "lse"), got, (want, fine, lse)):
+            assert torch.equal(a, b), name
+
+
+def test_fine_combined_strided_views_and_the_vsa_op():
+    """Views with padded rows (strides not the packed ones) for gate and coarse; and
+    video_sparse_attention without gradients (the fused op) against the same call recording
+    them (the two ops): the same bits."""
+    t = vidattn.VideoTiling((9, 10, 13), (4, 4, 4), device=DEV)
+    S, H, D = t.padded_len, 3, 128
+    g = torch.Generator(device=DEV).manual_seed(150)
+    q, k, v = (t.tile(torch.randn(1, t.num_tokens, H, D, generator=g, device=DEV)
+                      .to(torch.bfloat16)) for _ in range(3))
+    wide = torch.randn(1, S, H, D + 8, generator=g, device=DEV).to(torch.bfloat16)
+    gate = wide[..., :D]  # row stride H * (D + 8)
+    with torch.no_grad():
+        fast = vidattn.video_sparse_attention(q, k, v, tiling=t, sparsity=0.7, gate=gate)
+    slow = vidattn.video_sparse_attention(q.clone().requires_grad_(), k, v, tiling=t,
+                                          sparsity=0.7, gate=gate)
+    assert torch.equal(fast, slow.detach())
+    pooled = [ops.tile_mean_pool(x, t.block_sizes, 64) for x in (q, k)]
+    idx, cnt = vidattn.select_topk_tiles(*pooled, 8)
+    coarse = torch.randn(1, t.num_tiles, H, D + 8, generator=g, device=DEV).to(torch.bfloat16)
+    coarse = coarse[..., :D]  # tile stride H * (D + 8)
+    fine, lse = ops.block_sparse_attention(q, k, v, idx, cnt, q_block_sizes=t.block_sizes,
+                                           kv_block_sizes=t.block_sizes)
+    got = ops.vsa_fine_combined(q, k, v, idx, cnt, coarse, gate, t.block_sizes,
+                                kv_block_sizes=t.block_sizes)
+    want = (ops.vsa_combine(fine, coarse, gate, t.block_sizes, 64), fine, lse)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))

@@ -613,6 +613,20 @@ def test_compiled_model_has_no_graph_breaks_and_matches_eager():
     torch.testing.assert_close(gc, ge, atol=1e-10, rtol=0)
 
 
+def test_compiled_inference_takes_the_fused_op_and_matches_eager():
+    """Without gradients the op runs vsa_fine_combined (one op for the fine branch and the
+    combination): compiled whole, the same values as eager, which equal the training path's."""
+    torch.manual_seed(0)
+    model = TinyVideoBlock(vidattn.VideoTiling((5, 7, 9), (4, 4, 4)))
+    x = randn((1, 315, 128), 121)
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True)
+        eager_out = model(x)
+        compiled_out = compiled(x)
+    torch.testing.assert_close(compiled_out, eager_out, atol=1e-12, rtol=0)
+    assert torch.equal(eager_out, model(x.clone().requires_grad_()).detach())
+
+
 @pytest.mark.parametrize("B,Qt,Kt", [(0, 2, 2), (1, 0, 2), (1, 2, 0), (0, 0, 0)])
 def test_block_sparse_empty_inputs(B, Qt, Kt):
     q = randn((B, Qt * 64, 2, 16), 140).requires_grad_()

@@ -348,3 +348,66 @@ def test_combine_rows_into_refuses_autograd_and_checks_out():
         ops.vsa_combine_rows_into(out.double(), fine, coarse, gate, *args)
     torch.library.opcheck(ops.vsa_combine_rows_into.default,
                           (out, fine, coarse, gate, *args))
+
+
+# ---- vsa_fine_combined: the fine branch and the combination in one op (inference) ------------
+
+def fine_combined_case(device, dtype=torch.float32, V=64, D=32, seed=60):
+    from test_vsa import random_index
+    g = torch.Generator().manual_seed(seed)
+    B, H, Qt, Kt = 1, 2, 5, 4
+    q, k, v = (torch.randn((B, n * V, H, D), generator=g).to(dtype).to(device)
+               for n in (Qt, Kt, Kt))
+    idx, cnt = random_index(B, H, Qt, Kt, 3, seed + 1)
+    coarse = torch.randn((B, Qt, H, D), generator=g).to(dtype).to(device)
+    gate = torch.randn((B, Qt * V, H, D), generator=g).to(dtype).to(device)
+    qs = torch.tensor([V, 1, 0, V // 2, V - 1], dtype=torch.int32).to(device)
+    ks = torch.tensor([V, 3, V, 0], dtype=torch.int32).to(device)
+    return (q, k, v, idx.to(device), cnt.to(device)), coarse, gate, qs, ks
+
+
+@pytest.mark.parametrize("use_gate", [True, False])
+def test_fine_combined_equals_block_sparse_then_combine(use_gate):
+    # float32 at D = 32 runs on the CPU only; CUDA's cases (16-bit, D 64 / 128, the fused
+    # Hopper kernel) are in test_block_sparse_cuda.py.
+    args, coarse, gate, qs, ks = fine_combined_case("cpu")
+    gate = gate if use_gate else None
+    fine, lse = ops.block_sparse_attention(*args, q_block_sizes=qs, kv_block_sizes=ks)
+    want = (ops.vsa_combine(fine, coarse, gate, qs, 64), fine, lse)
+    got = ops.vsa_fine_combined(*args, coarse, gate, qs, kv_block_sizes=ks)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_fine_combined_refuses_gradients_and_passes_opcheck():
+    args, coarse, gate, qs, ks = fine_combined_case("cpu")
+    q = args[0].clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="inference only .* vidattn.block_sparse_attention"):
+        ops.vsa_fine_combined(q, *args[1:], coarse, gate, qs, kv_block_sizes=ks)
+    with torch.no_grad():
+        out, _, _ = ops.vsa_fine_combined(q, *args[1:], coarse, gate, qs, kv_block_sizes=ks)
+    assert not out.requires_grad
+    torch.library.opcheck(ops.vsa_fine_combined.default, (*args, coarse, gate, qs),
+                          {"kv_block_sizes": ks})
+
+
+@pytest.mark.parametrize("bad,exc,match", [
+    ("coarse_tiles", ValueError, "'coarse' must have shape"),
+    ("gate_dtype", TypeError, "'gate' must have dtype"),
+    ("gate_shape", ValueError, "'gate' must have shape"),
+    ("sizes_dtype", TypeError, "q_block_sizes"),
+    ("coarse_dtype", TypeError, "'coarse' must have dtype"),
+])
+def test_fine_combined_bad_input_names_the_argument(bad, exc, match):
+    args, coarse, gate, qs, ks = fine_combined_case("cpu")
+    if bad == "coarse_tiles":
+        coarse = coarse[:, :4]
+    elif bad == "gate_dtype":
+        gate = gate.double()
+    elif bad == "gate_shape":
+        gate = gate[:, :64]
+    elif bad == "sizes_dtype":
+        qs = qs.long()
+    elif bad == "coarse_dtype":
+        coarse = coarse.double()
+    with pytest.raises(exc, match=match):
+        ops.vsa_fine_combined(*args, coarse, gate, qs, kv_block_sizes=ks)

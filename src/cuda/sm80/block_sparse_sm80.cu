@@ -350,11 +350,13 @@ const TensorView* optional_view(const std::optional<TensorView>& t) {
   return t ? &*t : nullptr;
 }
 
-// The sm_90a forward (src/cuda/sm90) when this device, build and layout allow it.
+// The sm_90a forward (src/cuda/sm90) when this device, build and layout allow it (with
+// `combine`: its fused-combination kernel, when that one can run).
 bool try_sm90_forward(const BlockSparseProblem& p, const TensorView& q, const TensorView& k,
                       const TensorView& v, const TensorView& q2k_index,
                       const TensorView& q2k_count, const TensorView& out, const TensorView& lse,
-                      const BlockSparseOptions& o, cudaStream_t stream) {
+                      const BlockSparseOptions& o, cudaStream_t stream,
+                      const detail::CombineViews* combine = nullptr) {
 #ifdef VIDATTN_WITH_CUTLASS
   if (p.head_dim != p.head_dim_v || p.batch * p.seqlen_q > INT32_MAX ||
       p.batch * p.seqlen_k > INT32_MAX)
@@ -366,10 +368,11 @@ bool try_sm90_forward(const BlockSparseProblem& p, const TensorView& q, const Te
   return detail::cuda_sm90_block_sparse_forward(q, k, v, out, lse, q2k_index, q2k_count,
                                                 optional_view(o.kv_block_sizes),
                                                 static_cast<int>(p.tile_volume), scale,
-                                                o.sm_margin, stream, optional_view(o.q_block_sizes));
+                                                o.sm_margin, stream, optional_view(o.q_block_sizes),
+                                                combine);
 #else
   (void)p, (void)q, (void)k, (void)v, (void)q2k_index, (void)q2k_count, (void)out, (void)lse,
-      (void)o, (void)stream;
+      (void)o, (void)stream, (void)combine;
   return false;
 #endif
 }
@@ -379,21 +382,23 @@ bool try_sm90_forward(const BlockSparseProblem& p, const TensorView& q, const Te
 
 namespace vidattn::detail {
 
-void cuda_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
+bool cuda_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
                                const TensorView& k, const TensorView& v,
                                const TensorView& q2k_index, const TensorView& q2k_count,
                                const TensorView& out, const TensorView& lse,
-                               const BlockSparseOptions& o) {
+                               const BlockSparseOptions& o, const CombineViews* combine) {
   using namespace cuda_sm80;
   constexpr const char* kFn = "vidattn::block_sparse_attention_forward";
   check_supported(kFn, p);
-  if (out.numel() == 0 && lse.numel() == 0) return;
+  if (out.numel() == 0 && lse.numel() == 0) return false;
   const DeviceScope device(p.device.index);
   const auto stream = static_cast<cudaStream_t>(o.stream);
   if (o.validate_index)
     check_index_on_device(kFn, q2k_index, q2k_count, p.kv_tiles, optional_view(o.q_block_sizes),
                           optional_view(o.kv_block_sizes), p.tile_volume, stream);
-  if (try_sm90_forward(p, q, k, v, q2k_index, q2k_count, out, lse, o, stream)) return;
+  if (combine && try_sm90_forward(p, q, k, v, q2k_index, q2k_count, out, lse, o, stream, combine))
+    return true;
+  if (try_sm90_forward(p, q, k, v, q2k_index, q2k_count, out, lse, o, stream)) return false;
   AttentionParams kp = sparse_params(p, q, k, v, q2k_index, q2k_count, out, lse, o);
   kp.out_aligned4 = rows_aligned(out, 4);
   dispatch_dtype_head_dim(p.dtype == DType::kBFloat16, p.head_dim, [&](auto t, auto d) {
@@ -403,6 +408,7 @@ void cuda_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
     if (p.tile_volume == 64) launch_block_sparse_forward<T, D, 64>(kp, stream);
     else launch_block_sparse_forward<T, D, 128>(kp, stream);
   });
+  return false;
 }
 
 void cuda_block_sparse_transpose_index(const TensorView& q2k_index, const TensorView& q2k_count,

@@ -45,7 +45,8 @@ bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
                                     const TensorView& q2k_count,
                                     const TensorView* kv_block_sizes, int tile_volume,
                                     double scale, int sm_margin, void* stream,
-                                    const TensorView* q_block_sizes) {
+                                    const TensorView* q_block_sizes,
+                                    const CombineViews* combine) {
   constexpr const char* fn = "vidattn._block_sparse_forward_sm90";
   if (q.ndim != 4 || k.ndim != 4 || v.ndim != 4)
     throw_value_error(fn, ": q, k, v must be 4-D [B, S, H, D], got ", shape_string(q), ", ",
@@ -94,6 +95,25 @@ bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
   for (const TensorView* t : {&q, &k, &v, &out})
     if (!cuda_sm90::tma_compatible(*t)) return false;
   if (!(scale > 0.0)) return false;
+  cuda_sm90::CombineArgs combine_args;
+  if (combine) {  // the fused kernel: 64-token tiles, views it addresses in 16-byte chunks
+    if (tile_volume != 64) return false;
+    for (const TensorView* t : {combine->coarse, combine->gate, combine->out})
+      if (t && !cuda_sm90::tma_compatible(*t)) return false;
+    const TensorView& o = *combine->out;
+    combine_args.out = o.data;
+    combine_args.out_strides = {o.stride[0], o.stride[1], o.stride[2]};
+    if (combine->gate) {
+      const TensorView& g = *combine->gate;
+      combine_args.gate = g.data;
+      combine_args.gate_strides = {g.stride[0], g.stride[1], g.stride[2]};
+    }
+    const TensorView& c = *combine->coarse;
+    combine_args.coarse = c.data;
+    combine_args.coarse_batch = c.stride[0];
+    combine_args.coarse_tile = c.stride[1];
+    combine_args.coarse_head = c.stride[2];
+  }
 
   // TMA-compatible (checked above): every row starts on 16 bytes.
   cuda_sm80::AttentionParams kp =
@@ -128,7 +148,15 @@ bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
     const auto st = static_cast<cudaStream_t>(stream);
     const bool bf16 = q.dtype == DType::kBFloat16;
 #ifdef VIDATTN_WITH_CUTLASS
-    if (D == 64) {
+    if (combine) {
+      const auto& c = combine_args;
+      if (D == 64)
+        launched = bf16 ? cuda_sm90::launch_sparse_combine_forward<__nv_bfloat16, 64>(kp, s, c, st)
+                        : cuda_sm90::launch_sparse_combine_forward<__half, 64>(kp, s, c, st);
+      else
+        launched = bf16 ? cuda_sm90::launch_sparse_combine_forward<__nv_bfloat16, 128>(kp, s, c, st)
+                        : cuda_sm90::launch_sparse_combine_forward<__half, 128>(kp, s, c, st);
+    } else if (D == 64) {
       launched = bf16 ? cuda_sm90::launch_sparse_forward<__nv_bfloat16, 64>(kp, s, st)
                       : cuda_sm90::launch_sparse_forward<__half, 64>(kp, s, st);
     } else {

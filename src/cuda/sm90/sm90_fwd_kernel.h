@@ -1,11 +1,13 @@
 // The sm_90a attention forward kernel: barrier setup and the split into one producer
-// warpgroup (register budget lowered with setmaxnreg) and the consumer warpgroups (raised).
+// warpgroup (register budget lowered with setmaxnreg; with kFusedCombine its warps 2 and 3
+// combine finished tiles) and the consumer warpgroups (raised).
 // Device code is emitted only for sm_90a; the sm_80 pass of the same .cu compiles an empty
 // body that the launcher never runs (it checks the kernel's binary version first).
 #pragma once
 
 #include <cutlass/arch/reg_reconfig.h>
 
+#include "sm90_fwd_combine.h"
 #include "sm90_fwd_mainloop.h"
 
 namespace vidattn::cuda_sm90 {
@@ -36,6 +38,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         Barrier::init(&st.v_full[i], 1);
         Barrier::init(&st.v_empty[i], kConsumersPerStream);
       }
+      if constexpr (Traits::kFusedCombine) {
+        Barrier::init(&st.o_ready, kConsumersPerStream);
+        Barrier::init(&st.o_free, 1);
+      }
     }
     cutlass::arch::fence_barrier_init();
   }
@@ -45,13 +51,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   if (warpgroup == 0) {
     cutlass::arch::warpgroup_reg_dealloc<Traits::kProducerRegs>();
     const int warp = threadIdx.x / 32;
-    if (warp < Traits::kStreams && cute::elect_one_sync()) {
-      if (warp == 0) {
-        cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
-        cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
-        cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+    if (warp < Traits::kStreams) {
+      if (cute::elect_one_sync()) {
+        if (warp == 0) {
+          cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
+          cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
+          cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+        }
+        producer_loop<Traits, Visit>(p, shared.stream[warp], warp);
       }
-      producer_loop<Traits, Visit>(p, shared.stream[warp], warp);
+    } else if constexpr (Traits::kFusedCombine) {
+      // A branch of its own, not code after the producer's loop: nothing of the combination
+      // stays live across that loop (both roles live in the warpgroup's kProducerRegs).
+      if (warp < 2 + Traits::kStreams)
+        combine_loop<Traits>(p, shared.stream[warp - 2], threadIdx.x % 32);
     }
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();

@@ -21,6 +21,7 @@ struct FwdKernelParams {
   bool pingpong = true;  // two-warpgroup streams take turns issuing their products
   float rescale_slack = 8.f;  // OnlineSoftmax::slack
   StreamItems items;          // Traits::kStreamItems only
+  CombineArgs combine;        // Traits::kFusedCombine only
 };
 
 }  // namespace vidattn::cuda_sm90

@@ -27,4 +27,11 @@ template <class T, int D>
 bool launch_sparse_forward(const AttentionParams& p, const SparseKeyListArgs& s,
                            cudaStream_t stream);
 
+// The same with 64-token tiles, plus VSA's combination into c.out (CombineArgs): p.out gets
+// the fine output, c.out the combined one. Preconditions as above, and c's rows 16-byte
+// aligned with strides that are multiples of 8 elements.
+template <class T, int D>
+bool launch_sparse_combine_forward(const AttentionParams& p, const SparseKeyListArgs& s,
+                                   const CombineArgs& c, cudaStream_t stream);
+
 }  // namespace vidattn::cuda_sm90

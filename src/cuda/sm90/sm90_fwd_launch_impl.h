@@ -51,6 +51,10 @@ using Sparse128Traits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2>;
 // here, so that start and end are ~2% of the kernel; docs/perf-notes.md, Hopper v16).
 template <class T, int D>
 using Sparse64Traits = FwdTraits<CutlassElement<T>, D, 128, 1, 2, 1, 2, true, true>;
+// The same with VSA's combination applied by the producer warpgroup's spare warps
+// (sm90_fwd_combine.h); an instance of its own, so that the two-pass kernel keeps its code.
+template <class T, int D>
+using Sparse64CombineTraits = FwdTraits<CutlassElement<T>, D, 128, 1, 2, 1, 2, true, true, true>;
 
 // The (rows, D, heads, batch) view TMA reads. Strides of extent-1 dimensions never matter to
 // the addresses; they are replaced by packed values so that the descriptor's 16-byte stride
@@ -133,7 +137,8 @@ bool has_sm90a_code(Kernel kernel) {
 }
 
 template <class Traits, class Visit>
-bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStream_t stream) {
+bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStream_t stream,
+            const CombineArgs* combine = nullptr) {
   using namespace cute;
   auto kernel = sm90_attention_fwd_kernel<Traits, Visit>;
   static const bool available = has_sm90a_code(kernel);
@@ -159,6 +164,7 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.sched.heads = a.heads_q;
   p.sched.batch = a.batch;
   p.sched.longest_first = a.causal;
+  if (combine != nullptr) p.combine = *combine;
   p.pingpong = pingpong_enabled();
   p.rescale_slack = rescale_slack();
   const int tiles = p.sched.total_tiles();
@@ -228,6 +234,15 @@ bool launch_sparse_forward(const AttentionParams& p, const SparseKeyListArgs& s,
   }
   using Traits = launch_detail::Sparse128Traits<T, D>;
   return launch_detail::launch<Traits, SparseKeyList<Traits::kBlockN>>(p, s, stream);
+}
+
+template <class T, int D>
+bool launch_sparse_combine_forward(const AttentionParams& p, const SparseKeyListArgs& s,
+                                   const CombineArgs& c, cudaStream_t stream) {
+  if (s.tile_volume != 64) return false;
+  using Traits = launch_detail::Sparse64CombineTraits<T, D>;
+  return launch_detail::launch<Traits, SparseKeyList<Traits::kBlockN, Traits::kHalfLoads>>(
+      p, s, stream, &c);
 }
 
 }  // namespace vidattn::cuda_sm90

@@ -268,6 +268,17 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     if constexpr (!kOneRing) v_ring_own.advance();
   };
   uint32_t q_phase = 0;
+  // kFusedCombine: hands the tile just written (or -1 at the end) to the stream's combining
+  // warp, once it has taken the previous one. Each thread arrives after its own stores.
+  uint32_t o_phase = 0;
+  auto hand_over = [&](int item) {
+    if constexpr (Traits::kFusedCombine) {
+      Barrier::wait(&st.o_free, o_phase ^ 1u);
+      o_phase ^= 1u;
+      if (tid == 0) st.done_item = item;
+      Barrier::arrive(&st.o_ready);
+    }
+  };
   // Static schedule: the slots of this CTA. Stream items: the item that comes with each Q
   // (-1: no more), waited for here.
   const int rounds_end = p.sched.rounds_end(gridDim.x);
@@ -324,6 +335,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       Barrier::arrive(&st.q_empty);
       clear(tOrO);
       write_output<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax, row_limit);
+      hand_over(slot);
       continue;
     }
 
@@ -402,7 +414,9 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     warpgroup_fence_operand(tOrO);
     Barrier::arrive(&st.v_empty[prev.stage]);
     write_output<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax, row_limit);
+    hand_over(slot);
   }
+  hand_over(-1);
 }
 
 }  // namespace vidattn::cuda_sm90

@@ -27,4 +27,18 @@ struct SparseKeyListArgs {
   int kv_tiles = 0;
 };
 
+// VSA's combination written by the 64-token block-sparse kernel itself (inference):
+// out = fine + gate * coarse[tile] on each query tile's valid slots, out = fine on padded
+// ones, where fine is the kernel's own output (AttentionParams::out), as vsa_combine computes
+// it. gate null: a gate of 1. One element type throughout; unit-stride last dimensions and
+// 16-byte aligned rows (the launcher checks).
+struct CombineArgs {
+  void* out = nullptr;
+  cuda_sm80::RowStrides out_strides;    // [B, Sq, Hq, D] like fine
+  const void* gate = nullptr;
+  cuda_sm80::RowStrides gate_strides;
+  const void* coarse = nullptr;         // [B, Qtiles, Hq, D]
+  std::int64_t coarse_batch = 0, coarse_tile = 0, coarse_head = 0;
+};
+
 }  // namespace vidattn::cuda_sm90

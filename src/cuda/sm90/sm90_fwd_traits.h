@@ -22,9 +22,13 @@ namespace vidattn::cuda_sm90 {
 // filled by two TMA loads of kBlockN / 2 rows from independent places (two key tiles of half
 // the block's size), so the consumers run the full-width products on them. kStreamItems: a
 // persistent grid whose streams take their query tiles one at a time from a global counter
-// (StreamItems, sm90_tile_scheduler.h) instead of CTA-sized tiles by slot.
+// (StreamItems, sm90_tile_scheduler.h) instead of CTA-sized tiles by slot. kFusedCombine
+// (with kStreamItems, one 64-row warpgroup per stream): a warp of the producer warpgroup per
+// stream applies VSA's combination to each finished tile (CombineArgs) while the stream's
+// consumers compute the next one.
 template <class Element_, int kHeadDim_, int kBlockN_, int kWGPerStream_, int kStreams_,
-          int kStagesK_, int kStagesV_, bool kHalfLoads_ = false, bool kStreamItems_ = false>
+          int kStagesK_, int kStagesV_, bool kHalfLoads_ = false, bool kStreamItems_ = false,
+          bool kFusedCombine_ = false>
 struct FwdTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
   static constexpr int kHeadDim = kHeadDim_;
@@ -35,12 +39,20 @@ struct FwdTraits {
   static constexpr int kStagesV = kStagesV_;
   static constexpr bool kHalfLoads = kHalfLoads_;
   static constexpr bool kStreamItems = kStreamItems_;
+  static constexpr bool kFusedCombine = kFusedCombine_;
   static constexpr int kLoadRows = kHalfLoads ? kBlockN / 2 : kBlockN;  // rows per TMA load
   static constexpr int kBlockMStream = 64 * kWGPerStream;
   static constexpr int kBlockM = kBlockMStream * kStreams;  // query rows per CTA tile
   static constexpr int kConsumerWGs = kStreams * kWGPerStream;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   // setmaxnreg: the producer keeps a few, the consumers take the rest (64K per SM).
+  // setmaxnreg only moves registers within the CTA's launch allocation (168 x 384 = 64512
+  // here), not the SM's 65536: 32 for the producer warpgroup (the combining warps) with 240
+  // for the consumers asked for 1024 more than exist, and the consumers' setmaxnreg.inc
+  // waited forever (the H200 run of the fused kernel hung). 24 + 2 x 240 is exactly 64512.
+  // kFusedCombine keeps 24 too: 40 for the producer warpgroup with 232 for the consumers
+  // cleared its spills but added ~100 register moves to the consumers' loop, and the fused
+  // kernel ran 3% slower (perf-notes, v17).
   static constexpr int kProducerRegs = 24;
   // Without setmaxnreg the same consumer code spilled 504 bytes at the 168-register cap of
   // 9-12 warps; with it, none. Three consumer warpgroups (512 threads) get 160 each: at
@@ -48,7 +60,12 @@ struct FwdTraits {
   // loops (Dense64WideTraits, sm90_fwd_launch_impl.h).
   static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0);
-  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <= 65536);
+  static_assert(!kFusedCombine || (kStreamItems && kWGPerStream == 1 && kStreams <= 2),
+                "the combining warps are warps 2 and 3 of the producer warpgroup");
+  // Within the launch allocation: at most 168 per thread at launch (64K / 384 threads, in
+  // steps of 8), and 3 x 128 threads with 160 fit the same budget.
+  static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <=
+                (65536 / kThreads) / 8 * 8 * kThreads);
 
   // K-major (head dim contiguous) tiles with the 128-byte swizzle atom (8 rows x 64 elements).
   using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
@@ -116,6 +133,11 @@ struct FwdTraits {
     // kStreamItems: the stream's next query tile and its key-block count, written by the
     // producer before it arrives on q_full (item -1: no more tiles).
     int item, item_blocks;
+    // kFusedCombine: the tile whose output the consumers have written (-1: no more), handed
+    // to the stream's combining warp (o_ready: the consumers' stores done; o_free: the item
+    // read, so the next may be written).
+    uint64_t o_ready, o_free;
+    int done_item;
   };
   struct SharedStorage {
     StreamStorage stream[kStreams];
