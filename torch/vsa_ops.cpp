@@ -300,6 +300,35 @@ BlockSparseOptions options_of(const SparseArgs& a, const char* fn, const Tensor&
   return o;
 }
 
+// The index and block-size tensors of the block-sparse ops: int32 (checked before any view).
+void require_sparse_int32(const char* fn, const Tensor& q2k_index, const Tensor& q2k_count,
+                          const OptTensor& q_block_sizes, const OptTensor& kv_block_sizes) {
+  require_int32(q2k_index, fn, "q2k_index");
+  require_int32(q2k_count, fn, "q2k_count");
+  require_int32(q_block_sizes, fn, "q_block_sizes");
+  require_int32(kv_block_sizes, fn, "kv_block_sizes");
+}
+
+// A block-sparse forward's inputs as views, its options, and its out / lse allocated.
+struct SparseForward {
+  TensorView q, k, v, index, count;
+  BlockSparseOptions options;
+  Tensor out, lse;
+};
+
+SparseForward sparse_forward(const char* fn, const Tensor& q, const Tensor& k, const Tensor& v,
+                             const Tensor& q2k_index, const Tensor& q2k_count,
+                             const SparseArgs& a) {
+  SparseForward f{view_of(q, fn, "q"), view_of(k, fn, "k"), view_of(v, fn, "v"),
+                  view_of(q2k_index, fn, "q2k_index"), view_of(q2k_count, fn, "q2k_count"),
+                  options_of(a, fn, q), Tensor(), Tensor()};
+  const BlockSparseProblem p =
+      describe_block_sparse_attention(f.q, f.k, f.v, f.index, f.count, f.options);
+  f.out = at::empty({p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, q.options());
+  f.lse = at::empty({p.batch, p.heads_q, p.seqlen_q}, q.options().dtype(lse_scalar_type(q)));
+  return f;
+}
+
 std::tuple<Tensor, Tensor> block_sparse_attention_kernel(
     const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q2k_index,
     const Tensor& q2k_count, int64_t tile_volume, const OptTensor& q_block_sizes,
@@ -307,22 +336,15 @@ std::tuple<Tensor, Tensor> block_sparse_attention_kernel(
     bool validate_index, int64_t sm_margin) {
   constexpr const char* fn = "vidattn.block_sparse_attention";
   const at::OptionalDeviceGuard device_guard(at::device_of(q));  // run on the inputs' device
-  require_int32(q2k_index, fn, "q2k_index");
-  require_int32(q2k_count, fn, "q2k_count");
-  require_int32(q_block_sizes, fn, "q_block_sizes");
-  require_int32(kv_block_sizes, fn, "kv_block_sizes");
+  require_sparse_int32(fn, q2k_index, q2k_count, q_block_sizes, kv_block_sizes);
   return translate_errors([&] {
-    const SparseArgs a{tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic,
-                       validate_index, sm_margin};
-    const TensorView qv = view_of(q, fn, "q"), kv = view_of(k, fn, "k"), vv = view_of(v, fn, "v");
-    const TensorView iv = view_of(q2k_index, fn, "q2k_index"), cv = view_of(q2k_count, fn, "q2k_count");
-    const BlockSparseOptions o = options_of(a, fn, q);
-    const BlockSparseProblem p = describe_block_sparse_attention(qv, kv, vv, iv, cv, o);
-    Tensor out = at::empty({p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, q.options());
-    Tensor lse = at::empty({p.batch, p.heads_q, p.seqlen_q}, q.options().dtype(lse_scalar_type(q)));
-    block_sparse_attention_forward(qv, kv, vv, iv, cv, view_of(out, fn, "out"),
-                                   view_of(lse, fn, "lse"), o);
-    return std::make_tuple(out, lse);
+    const SparseForward f = sparse_forward(
+        fn, q, k, v, q2k_index, q2k_count,
+        {tile_volume, q_block_sizes, kv_block_sizes, scale, deterministic, validate_index,
+         sm_margin});
+    block_sparse_attention_forward(f.q, f.k, f.v, f.index, f.count, view_of(f.out, fn, "out"),
+                                   view_of(f.lse, fn, "lse"), f.options);
+    return std::make_tuple(f.out, f.lse);
   });
 }
 
@@ -332,10 +354,7 @@ std::tuple<Tensor, Tensor> block_sparse_attention_meta(
     const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic,
     bool validate_index, int64_t sm_margin) {
   constexpr const char* fn = "vidattn.block_sparse_attention";
-  require_int32(q2k_index, fn, "q2k_index");
-  require_int32(q2k_count, fn, "q2k_count");
-  require_int32(q_block_sizes, fn, "q_block_sizes");
-  require_int32(kv_block_sizes, fn, "kv_block_sizes");
+  require_sparse_int32(fn, q2k_index, q2k_count, q_block_sizes, kv_block_sizes);
   TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
                     ": q, k and v must be 4-D [B, S, H, D], got ", q.dim(), "-D, ", k.dim(),
                     "-D and ", v.dim(), "-D");
@@ -495,24 +514,17 @@ std::tuple<Tensor, Tensor, Tensor> vsa_fine_combined_kernel(
     std::optional<double> scale, bool validate_index, int64_t sm_margin) {
   constexpr const char* fn = "vidattn.vsa_fine_combined";
   const at::OptionalDeviceGuard device_guard(at::device_of(q));
-  require_int32(q2k_index, fn, "q2k_index");
-  require_int32(q2k_count, fn, "q2k_count");
-  require_int32(q_block_sizes, fn, "q_block_sizes");
-  require_int32(kv_block_sizes, fn, "kv_block_sizes");
+  require_sparse_int32(fn, q2k_index, q2k_count, q_block_sizes, kv_block_sizes);
   return translate_errors([&] {
-    const SparseArgs a{tile_volume, q_block_sizes, kv_block_sizes, scale, true, validate_index,
-                       sm_margin};
-    const TensorView qv = view_of(q, fn, "q"), kv = view_of(k, fn, "k"), vv = view_of(v, fn, "v");
-    const TensorView iv = view_of(q2k_index, fn, "q2k_index"), cv = view_of(q2k_count, fn, "q2k_count");
-    const BlockSparseOptions o = options_of(a, fn, q);
-    const BlockSparseProblem p = describe_block_sparse_attention(qv, kv, vv, iv, cv, o);
-    Tensor fine = at::empty({p.batch, p.seqlen_q, p.heads_q, p.head_dim_v}, q.options());
-    Tensor lse = at::empty({p.batch, p.heads_q, p.seqlen_q}, q.options().dtype(lse_scalar_type(q)));
-    Tensor out = at::empty_like(fine);
-    vsa_fine_combine_forward(qv, kv, vv, iv, cv, view_of(coarse, fn, "coarse"),
-                             view_of(gate, fn, "gate"), view_of(fine, fn, "fine"),
-                             view_of(lse, fn, "lse"), view_of(out, fn, "out"), o);
-    return std::make_tuple(out, fine, lse);
+    // f.out is the fine branch's output; `out` the combination.
+    const SparseForward f = sparse_forward(
+        fn, q, k, v, q2k_index, q2k_count,
+        {tile_volume, q_block_sizes, kv_block_sizes, scale, true, validate_index, sm_margin});
+    Tensor out = at::empty_like(f.out);
+    vsa_fine_combine_forward(f.q, f.k, f.v, f.index, f.count, view_of(coarse, fn, "coarse"),
+                             view_of(gate, fn, "gate"), view_of(f.out, fn, "fine"),
+                             view_of(f.lse, fn, "lse"), view_of(out, fn, "out"), f.options);
+    return std::make_tuple(out, f.out, f.lse);
   });
 }
 
@@ -521,11 +533,12 @@ std::tuple<Tensor, Tensor, Tensor> vsa_fine_combined_meta(
     const Tensor& q2k_count, const Tensor& coarse, const OptTensor& gate,
     const Tensor& q_block_sizes, int64_t tile_volume, const OptTensor& kv_block_sizes,
     std::optional<double> scale, bool validate_index, int64_t sm_margin) {
+  constexpr const char* fn = "vidattn.vsa_fine_combined";
+  // Checked under this op's name first (block_sparse_attention_meta names its own).
+  require_sparse_int32(fn, q2k_index, q2k_count, q_block_sizes, kv_block_sizes);
   auto [fine, lse] = block_sparse_attention_meta(q, k, v, q2k_index, q2k_count, tile_volume,
                                                  q_block_sizes, kv_block_sizes, scale, true,
                                                  validate_index, sm_margin);
-  constexpr const char* fn = "vidattn.vsa_fine_combined";
-  require_int32(q_block_sizes, fn, "q_block_sizes");
   TORCH_CHECK_VALUE(coarse.dim() == 4, fn, ": 'coarse' must be 4-D [B, Qtiles, H, D], got ",
                     coarse.dim(), "-D");
   TORCH_CHECK_VALUE(!(gate && gate->defined()) || gate->dim() == 4, fn, ": 'gate' must be 4-D like q");
