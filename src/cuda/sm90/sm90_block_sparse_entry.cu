@@ -100,13 +100,11 @@ bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
     if (tile_volume != 64) return false;
     for (const TensorView* t : {combine->coarse, combine->gate, combine->out})
       if (t && !cuda_sm90::tma_compatible(*t)) return false;
-    const TensorView& o = *combine->out;
-    combine_args.out = o.data;
-    combine_args.out_strides = {o.stride[0], o.stride[1], o.stride[2]};
+    combine_args.out = combine->out->data;
+    combine_args.out_strides = cuda_sm80::token_strides(*combine->out, false);
     if (combine->gate) {
-      const TensorView& g = *combine->gate;
-      combine_args.gate = g.data;
-      combine_args.gate_strides = {g.stride[0], g.stride[1], g.stride[2]};
+      combine_args.gate = combine->gate->data;
+      combine_args.gate_strides = cuda_sm80::token_strides(*combine->gate, false);
     }
     const TensorView& c = *combine->coarse;
     combine_args.coarse = c.data;
@@ -146,25 +144,15 @@ bool cuda_sm90_block_sparse_forward(const TensorView& q, const TensorView& k,
   bool launched = false;
   try {
     const auto st = static_cast<cudaStream_t>(stream);
-    const bool bf16 = q.dtype == DType::kBFloat16;
 #ifdef VIDATTN_WITH_CUTLASS
-    if (combine) {
-      const auto& c = combine_args;
-      if (D == 64)
-        launched = bf16 ? cuda_sm90::launch_sparse_combine_forward<__nv_bfloat16, 64>(kp, s, c, st)
-                        : cuda_sm90::launch_sparse_combine_forward<__half, 64>(kp, s, c, st);
-      else
-        launched = bf16 ? cuda_sm90::launch_sparse_combine_forward<__nv_bfloat16, 128>(kp, s, c, st)
-                        : cuda_sm90::launch_sparse_combine_forward<__half, 128>(kp, s, c, st);
-    } else if (D == 64) {
-      launched = bf16 ? cuda_sm90::launch_sparse_forward<__nv_bfloat16, 64>(kp, s, st)
-                      : cuda_sm90::launch_sparse_forward<__half, 64>(kp, s, st);
-    } else {
-      launched = bf16 ? cuda_sm90::launch_sparse_forward<__nv_bfloat16, 128>(kp, s, st)
-                      : cuda_sm90::launch_sparse_forward<__half, 128>(kp, s, st);
-    }
+    cuda_sm80::dispatch_dtype_head_dim(q.dtype == DType::kBFloat16, D, [&](auto t, auto d) {
+      using T = decltype(t);
+      constexpr int kD = decltype(d)::value;
+      launched = combine ? cuda_sm90::launch_sparse_combine_forward<T, kD>(kp, s, combine_args, st)
+                         : cuda_sm90::launch_sparse_forward<T, kD>(kp, s, st);
+    });
 #else
-    (void)st, (void)bf16;
+    (void)st;
 #endif
   } catch (...) {
     if (previous != q.device.index) cudaSetDevice(previous);
