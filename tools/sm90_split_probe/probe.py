@@ -1,0 +1,75 @@
+"""Times the 64-token block-sparse forward on the bench's uniform random selections, and
+optionally dense attention (vidattn and cuDNN) on the same tensors (README.md here).
+
+    python3 tools/sm90_split_probe/probe.py [--shapes 480p,720p] [--sparsity 0.9]
+        [--margins 0,66] [--dense]
+
+CUDA events around each call, median of --reps after 3 warm-up calls, no L2 flush (so not the
+bench's numbers; compare libraries within one run). Per row: time, TFLOP/s with the bench's
+FLOP count, and the K / V bytes the kernel moves from L2 per second (128-key blocks of two
+tiles, an odd list's last tile loaded twice). --margins: sm_margin values (SMs left idle).
+"""
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+import vidattn
+from vidattn.bench.blocksparse_case import random_selection
+from vidattn.vsa import topk_from_sparsity
+
+SHAPES = {"480p": (39936, 12), "720p": (92160, 40), "hunyuan": (115200, 24)}
+
+
+def median_ms(fn, reps: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="480p")
+    p.add_argument("--sparsity", type=float, default=0.9)
+    p.add_argument("--margins", default="0")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--dense", action="store_true")
+    args = p.parse_args()
+    for name in args.shapes.split(","):
+        seq, heads = SHAPES[name]
+        tiles = seq // 64
+        topk = topk_from_sparsity(args.sparsity, tiles)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        q, k, v = (torch.randn(1, seq, heads, 128, device="cuda", dtype=torch.bfloat16,
+                               generator=g) for _ in range(3))
+        index, count = random_selection(1, heads, tiles, tiles, topk, g, "cuda")
+        flops = 4 * heads * seq * topk * 64 * 128
+        kv_bytes = heads * tiles * ((topk + 1) // 2) * 2 * (128 * 128 * 2)
+        for margin in (int(m) for m in args.margins.split(",")):
+            ms = median_ms(lambda: vidattn.block_sparse_attention(
+                q, k, v, index, count, validate_index=False, sm_margin=margin), args.reps)
+            print(f"{name} sparsity {args.sparsity} topk {topk} sm_margin {margin}: {ms:.3f} ms"
+                  f"  {flops / ms / 1e9:.1f} TFLOP/s  K/V {kv_bytes / ms / 1e9:.2f} TB/s",
+                  flush=True)
+        if args.dense:
+            dense_flops = 4 * heads * seq * seq * 128
+            ms = median_ms(lambda: vidattn.attention(q, k, v), 5)
+            print(f"{name} dense vidattn: {ms:.3f} ms  {dense_flops / ms / 1e9:.1f} TFLOP/s",
+                  flush=True)
+            qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+                ms = median_ms(lambda: F.scaled_dot_product_attention(qt, kt, vt), 5)
+            print(f"{name} dense cudnn: {ms:.3f} ms  {dense_flops / ms / 1e9:.1f} TFLOP/s",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
