@@ -190,7 +190,7 @@ def test_transpose_index_equals_cpu(B, H, Qt, Kt, K):
 
 @pytest.mark.parametrize("V", [64, 128])
 def test_cuda_graph_replay_equals_eager(V):
-    # V = 64: the Hopper kernel's tile counter is allocated, zeroed and freed inside the graph.
+    # The Hopper kernels' tile counter is allocated, zeroed and freed inside the graph.
     B, Hq, Hkv, D, Qt, Kt = 2, 3, 3, 64, 3, 4
     q, k, v, idx, cnt, qs, ks = make_case(torch.float16, V, B, Hq, Hkv, D, Qt, Kt, 3, 4.0, 120)
     static = [x.to(DEV).requires_grad_() for x in (q, k, v)]
@@ -222,28 +222,29 @@ def test_cuda_graph_replay_equals_eager(V):
             assert torch.equal(a, b)
 
 
-def test_concurrent_launches_on_two_streams_keep_their_own_tiles():
-    """The Hopper 64-token kernel's streams take query tiles from a counter of their launch:
-    two launches running at once on two streams must each compute all of their own tiles
-    (a shared counter would split the tiles between them, leaving NaN-poisoned rows)."""
+@pytest.mark.parametrize("V", [64, 128])
+def test_concurrent_launches_on_two_streams_keep_their_own_tiles(V):
+    """The Hopper block-sparse kernels' streams take query tiles from a counter of their
+    launch: two launches running at once on two streams must each compute all of their own
+    tiles (a shared counter would split the tiles between them, leaving NaN-poisoned rows)."""
     g = gen(130)
     cases = []
     for heads, qt in ((6, 150), (5, 131)):
-        q, k, v = (torch.randn(1, qt * 64, heads, 128, generator=g).to(torch.bfloat16).to(DEV)
+        q, k, v = (torch.randn(1, qt * V, heads, 128, generator=g).to(torch.bfloat16).to(DEV)
                    for _ in range(3))
         idx, cnt = random_index(1, heads, qt, qt, 9, 131 + heads, allow_empty=False)
         cases.append((q, k, v, idx.to(DEV), cnt.to(DEV)))
-    alone = [vidattn.block_sparse_attention(*c, tile_volume=64, return_lse=True) for c in cases]
+    alone = [vidattn.block_sparse_attention(*c, tile_volume=V, return_lse=True) for c in cases]
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     for s in streams:
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):  # the allocator keeps blocks per stream
-            poison_allocator(150 * 64 * 6 * 128 * 2)
+            poison_allocator(150 * V * 6 * 128 * 2)
     together = [[], []]
     for _ in range(3):
         for i, s in enumerate(streams):
             with torch.cuda.stream(s):
-                together[i].append(vidattn.block_sparse_attention(*cases[i], tile_volume=64,
+                together[i].append(vidattn.block_sparse_attention(*cases[i], tile_volume=V,
                                                                   return_lse=True))
     torch.cuda.synchronize()
     for i in range(2):

@@ -2,12 +2,13 @@
 optionally dense attention (vidattn and cuDNN) on the same tensors (README.md here).
 
     python3 tools/sm90_split_probe/probe.py [--shapes 480p,720p] [--sparsity 0.9]
-        [--margins 0,66] [--dense]
+        [--margins 0,66] [--tile 64] [--dense]
 
 CUDA events around each call, median of --reps after 3 warm-up calls, no L2 flush (so not the
 bench's numbers; compare libraries within one run). Per row: time, TFLOP/s with the bench's
 FLOP count, and the K / V bytes the kernel moves from L2 per second (128-key blocks of two
 tiles, an odd list's last tile loaded twice). --margins: sm_margin values (SMs left idle).
+--tile: 64, 128 or 256 tokens per tile (the probe patch changes the 64-token kernel only).
 """
 import argparse
 
@@ -41,22 +42,28 @@ def main() -> None:
     p.add_argument("--sparsity", type=float, default=0.9)
     p.add_argument("--margins", default="0")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--tile", type=int, default=64, choices=(64, 128, 256))
     p.add_argument("--dense", action="store_true")
     args = p.parse_args()
     for name in args.shapes.split(","):
         seq, heads = SHAPES[name]
-        tiles = seq // 64
+        tiles = seq // args.tile
         topk = topk_from_sparsity(args.sparsity, tiles)
         g = torch.Generator(device="cuda").manual_seed(1)
         q, k, v = (torch.randn(1, seq, heads, 128, device="cuda", dtype=torch.bfloat16,
                                generator=g) for _ in range(3))
         index, count = random_selection(1, heads, tiles, tiles, topk, g, "cuda")
-        flops = 4 * heads * seq * topk * 64 * 128
-        kv_bytes = heads * tiles * ((topk + 1) // 2) * 2 * (128 * 128 * 2)
+        flops = 4 * heads * seq * topk * args.tile * 128
+        # Bytes of K and V moved per (head, query tile): 64-token tiles in 128-key blocks of
+        # two (an odd list's last tile twice), larger tiles whole.
+        keys = (topk + 1) // 2 * 128 if args.tile == 64 else topk * args.tile
+        kv_bytes = heads * tiles * keys * 2 * (128 * 2)
         for margin in (int(m) for m in args.margins.split(",")):
             ms = median_ms(lambda: vidattn.block_sparse_attention(
-                q, k, v, index, count, validate_index=False, sm_margin=margin), args.reps)
-            print(f"{name} sparsity {args.sparsity} topk {topk} sm_margin {margin}: {ms:.3f} ms"
+                q, k, v, index, count, tile_volume=args.tile, validate_index=False,
+                sm_margin=margin), args.reps)
+            print(f"{name} tile {args.tile} sparsity {args.sparsity} topk {topk} "
+                  f"sm_margin {margin}: {ms:.3f} ms"
                   f"  {flops / ms / 1e9:.1f} TFLOP/s  K/V {kv_bytes / ms / 1e9:.2f} TB/s",
                   flush=True)
         if args.dense:

@@ -39,9 +39,11 @@ using DenseTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2>;
 template <class T>
 using Dense64WideTraits = FwdTraits<CutlassElement<T>, 64, 128, 3, 1, 2, 2>;
 inline constexpr std::int64_t kDense64WideMinKeys = 8192;
-// Block-sparse with 128 / 256-token tiles: 128-key blocks (a 256 tile is two).
+// Block-sparse with 128 / 256-token tiles: 128-key blocks (a 256 tile is two), one 128-row
+// stream of two warpgroups, on a persistent grid of stream items as the 64-token kernel
+// (+2-4% over one CTA per tile at the Wan and HunyuanVideo shapes; perf-notes, Hopper v18).
 template <class T, int D>
-using Sparse128Traits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2>;
+using Sparse128Traits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2, false, true>;
 // Block-sparse with 64-token tiles: two 64-row streams (one query tile each); each 128-key
 // block is two selected key tiles, loaded separately (one max, exponent base and rescale per
 // 128 keys, full-width products, as in the dense kernel). One K slot and two V slots per
@@ -103,7 +105,8 @@ inline bool d64_wide_enabled() {
   return on;
 }
 
-// The grid: one CTA per tile by default, a persistent grid of (SMs - sm_margin) CTAs when the
+// The dense grid (the block-sparse kernels take stream items on a persistent grid instead):
+// one CTA per tile by default, a persistent grid of (SMs - sm_margin) CTAs when the
 // caller leaves SMs free, or always with VIDATTN_SM90_GRID=persistent (read once; for A/B).
 // Alone on the GPU both run at the same speed (docs/perf-notes.md); beside other kernels
 // (NCCL in sequence parallelism) a persistent CTA that starts late, behind their blocks,

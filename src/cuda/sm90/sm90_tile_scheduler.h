@@ -1,7 +1,8 @@
 // Tile scheduler: CTA c takes slots c, c + gridDim.x, ... of the (query block, head, batch)
-// tiles. By default the grid has one CTA per tile (one slot each, handed out by the hardware
-// as SMs free up, in slot order); with a persistent grid (at most one CTA per SM, see
-// sm90_fwd_launch_impl.h) the slots run in rounds of gridDim.x.
+// tiles (the dense kernels; the block-sparse ones use StreamItems below). By default the grid
+// has one CTA per tile (one slot each, handed out by the hardware as SMs free up, in slot
+// order); with a persistent grid (at most one CTA per SM, see sm90_fwd_launch_impl.h) the
+// slots run in rounds of gridDim.x.
 //  * Non-causal (all tiles cost the same): query blocks vary fastest, so the CTAs running at
 //    any moment work on the same few heads and share their K and V in L2.
 //  * Causal (tile cost grows with the query block): tiles go longest first (query blocks
