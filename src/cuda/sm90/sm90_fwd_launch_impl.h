@@ -185,6 +185,7 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
         static_cast<int>((a.seqlen_q + Traits::kBlockMStream - 1) / Traits::kBlockMStream);
     p.items.heads = a.heads_q;
     p.items.batch = a.batch;
+    p.items.device_streams = Traits::kStreams * sm_count();
     cuda_sm80::check_cuda(
         cudaMallocAsync(reinterpret_cast<void**>(&p.items.counter), sizeof(int), stream),
         "cudaMallocAsync (sm90 tile counter)");

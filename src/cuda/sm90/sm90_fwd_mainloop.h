@@ -165,9 +165,17 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
     q_phase ^= 1u;
 
     // K of block i waits for the consumers to finish S of block i - kStagesK; V of block i
-    // for P V of block i - kStagesV (a block later than its S).
+    // for P V of block i - kStagesV (a block later than its S). kRotatedWalk: the blocks
+    // from first_block on, wrapping (the consumers take each block's record from the
+    // producer, so only this loop knows the order).
+    static_assert(!Traits::kRotatedWalk || Visit::kProducerRecordsBlocks,
+                  "a rotated walk needs the consumers to read the producer's block records");
+    int first = 0;
+    if constexpr (Traits::kRotatedWalk) first = p.items.first_block(slot, n);
     for (int i = 0; i < n; ++i) {
-      const KeyBlock kb = visit.block(i);
+      int b = i + first;
+      if (b >= n) b -= n;
+      const KeyBlock kb = visit.block(b);
       Barrier::wait(&st.k_empty[k_ring.stage], k_ring.phase ^ 1u);
       // Published to the consumers by the arrive below (release) and their wait (acquire).
       if constexpr (Visit::kProducerRecordsBlocks) {

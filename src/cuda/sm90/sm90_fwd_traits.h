@@ -40,6 +40,11 @@ struct FwdTraits {
   static constexpr bool kHalfLoads = kHalfLoads_;
   static constexpr bool kStreamItems = kStreamItems_;
   static constexpr bool kFusedCombine = kFusedCombine_;
+  // Stream items walk their key blocks from StreamItems::first_block on, so the streams in
+  // flight read the same part of a head's K / V at once: +3% at Wan 720p and HunyuanVideo for
+  // 64-row streams (each loads its own K / V, ~8 TB/s from L2), but -2-3% for the 128-row
+  // streams of the 128-token kernel (docs/perf-notes.md, Hopper v19).
+  static constexpr bool kRotatedWalk = kStreamItems && kWGPerStream == 1;
   static constexpr int kLoadRows = kHalfLoads ? kBlockN / 2 : kBlockN;  // rows per TMA load
   static constexpr int kBlockMStream = 64 * kWGPerStream;
   static constexpr int kBlockM = kBlockMStream * kStreams;  // query rows per CTA tile

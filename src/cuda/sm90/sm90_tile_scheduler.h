@@ -68,8 +68,21 @@ struct StreamItems {
   int heads = 0;
   int batch = 0;
   int* counter = nullptr;  // zeroed before the launch
+  // Streams of the whole device (streams per CTA x SMs, whatever sm_margin leaves idle).
+  int device_streams = 1;
 
   __host__ __device__ int total() const { return num_q_blocks * heads * batch; }
+  // Where item `item` starts its walk over its n key blocks. Items start in order, one per
+  // stream as streams free up, so item j starts ~j / device_streams of an item's time after
+  // item 0. Starting it (j mod device_streams) / device_streams of the way along its list
+  // puts every stream in flight at about the same place of its own list at any moment:
+  // the lists are ascending, so the streams read the same few key tiles of a head at once
+  // and share them in L2, instead of spreading over the whole head's K and V (47 MB at Wan
+  // 720p, about L2's size). A function of the item alone, so results do not depend on the
+  // schedule or on sm_margin.
+  __device__ __forceinline__ int first_block(int item, int n) const {
+    return static_cast<int>(static_cast<long long>(item % device_streams) * n / device_streams);
+  }
   __device__ __forceinline__ TileCoord decode(int item) const {
     TileCoord c;
     c.m_block = item % num_q_blocks;
