@@ -68,7 +68,7 @@ struct StreamItems {
   int heads = 0;
   int batch = 0;
   int* counter = nullptr;  // zeroed before the launch
-  // Streams of the whole device (streams per CTA x SMs, whatever sm_margin leaves idle).
+  // Streams per CTA x the device's SMs, counting those sm_margin leaves idle.
   int device_streams = 1;
 
   __host__ __device__ int total() const { return num_q_blocks * heads * batch; }
@@ -78,8 +78,8 @@ struct StreamItems {
   // puts every stream in flight at about the same place of its own list at any moment:
   // the lists are ascending, so the streams read the same few key tiles of a head at once
   // and share them in L2, instead of spreading over the whole head's K and V (47 MB at Wan
-  // 720p, about L2's size). A function of the item alone, so results do not depend on the
-  // schedule or on sm_margin.
+  // 720p, about L2's size). A function of the item and the device only, so results do not
+  // depend on the schedule or on sm_margin (test_sm_margin_leaves_the_result_bit_identical).
   __device__ __forceinline__ int first_block(int item, int n) const {
     return static_cast<int>(static_cast<long long>(item % device_streams) * n / device_streams);
   }
