@@ -4,30 +4,16 @@
 
 Wan2.1-14B 720p (75,600 tokens, H40, D128, bf16, [S, D/2] float32 tables, interleaved and
 NeoX pairs): the whole tensor, and the pipeline's packing view (one rank's shard, one head
-chunk of each destination rank: [2, 37,800, 10, 128] strided). Median of CUDA-event timings;
+chunk of each destination rank: [2, 37,800, 10, 128] strided). Median of 50 CUDA-event timings;
 GB/s counts x read once and out written once (the tables are extra).
 """
 import argparse
 import json
-import statistics
 
 import torch
 
 import vidattn
-
-
-def time_ms(fn, iters=50, warmup=5):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
+from vidattn.bench.timing import CudaTimer
 
 
 def main() -> None:
@@ -42,12 +28,14 @@ def main() -> None:
     shard = x[:, : s // 2]  # one rank's rows, all heads
     # [destination rank, S_local, head chunk, D]: rank j's heads 0..9 of its 20.
     packing = shard.reshape(s // 2, 2, h // 2, d)[:, :, :10].permute(1, 0, 2, 3)
+    timer = CudaTimer(warmup=5, repeats=50)
     rows = []
     for name, view, c, sn in (("whole [1, 75600, 40, 128]", x, cos, sin),
                               ("packing view [2, 37800, 10, 128]", packing,
                                cos[: s // 2], sin[: s // 2])):
         for interleaved in (True, False):
-            ms = time_ms(lambda: vidattn.apply_rope(view, c, sn, interleaved=interleaved))
+            ms = timer.measure(
+                lambda: vidattn.apply_rope(view, c, sn, interleaved=interleaved)).median_ms
             gbs = 2 * view.numel() * view.element_size() / ms / 1e6
             rows.append({"case": name, "interleaved": interleaved, "ms": ms, "GB/s": gbs})
             print(f"{name:34s} interleaved={interleaved!s:5s} {ms:7.3f} ms {gbs:7.0f} GB/s")
