@@ -30,7 +30,9 @@
 //   are never attended, so their content does not matter as long as it is finite (query
 //   slots may even hold NaN). Finite, because the Hopper forward multiplies the V rows of
 //   padded key slots by an exact-zero probability, and 0 * NaN is NaN; VideoTiling.tile
-//   writes zeros there.
+//   writes zeros there. Its 64-token kernel also loads only the valid prefix of a partial
+//   key tile, beside rows that an earlier tile left in shared memory: a non-finite V value
+//   can then reach the outputs of query tiles that did not select its tile.
 // - Zero-size key tiles in the index are skipped (no exp(-inf - -inf)).
 // - A key tile no query selected gets exactly zero dK, dV.
 // - The CPU backward is always deterministic; `deterministic` exists for the CUDA backend,

@@ -163,6 +163,49 @@ def test_padding_content_is_never_read():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float16, 64)])
+def test_every_key_tile_length_matches_float64_reference(dtype, D):
+    """The 64-token Hopper kernel loads a key tile only up to its valid keys (in 16-row
+    pieces; the slot's other rows keep an earlier tile's data) and nothing for an odd
+    list's repeated last tile: key tiles of every length 0..64, lists of odd and even
+    counts, GQA, K and V as strided views of one packed tensor, padded slots holding large
+    finite garbage."""
+    V, B, Hq, Hkv, Qt = 64, 2, 4, 2, 5
+    kv_sizes = torch.arange(V + 1, dtype=torch.int32).flip(0)  # 64, 63, ..., 0
+    Kt = kv_sizes.numel()
+    seed = 4242 + D
+    q = randn((B, Qt * V, Hq, D), seed, dtype, 2.0)
+    kv = randn((B, Kt * V, 2, Hkv, D), seed + 1, dtype, 2.0)
+    pad = (torch.arange(V)[None, :] >= kv_sizes[:, None].long()).reshape(-1)
+    kv[:, pad] = 3.0e4
+    k, v = kv[:, :, 0], kv[:, :, 1]
+    q_sizes = torch.full((Qt,), V, dtype=torch.int32)
+    q_sizes[-1] = 17
+    g = gen(seed + 2)
+    idx = torch.full((B, Hq, Qt, Kt), -1, dtype=torch.int32)
+    cnt = torch.zeros((B, Hq, Qt), dtype=torch.int32)
+    for b, h, t in itertools.product(range(B), range(Hq), range(Qt)):
+        # Every tile (an odd count: 65), or a random subset of odd or even size.
+        n = Kt if t == 0 else int(torch.randint(1, Kt + 1, (1,), generator=g))
+        idx[b, h, t, :n] = torch.randperm(Kt, generator=g)[:n].sort().values.to(torch.int32)
+        cnt[b, h, t] = n
+    scale = D ** -0.5
+    kvc = kv.to(DEV)
+    poison_allocator(q.numel() * 8 + (1 << 20))
+    out, lse = vidattn.block_sparse_attention(
+        q.to(DEV), kvc[:, :, 0], kvc[:, :, 1], idx.to(DEV), cnt.to(DEV), tile_volume=V,
+        q_block_sizes=q_sizes.to(DEV), kv_block_sizes=kv_sizes.to(DEV), return_lse=True)
+    r64 = ref.block_sparse(q.double(), k.double(), v.double(), idx, cnt, V, q_sizes, kv_sizes,
+                           scale)
+    rlp = ref.block_sparse(q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale)
+    assert_2x("out", out.cpu(), r64, rlp, dtype)
+    l64 = reference_lse(q.double(), k.double(), idx, cnt, V, q_sizes, kv_sizes, scale)
+    llp = reference_lse(q, k, idx, cnt, V, q_sizes, kv_sizes, scale)
+    dead = torch.isneginf(l64)
+    assert torch.equal(torch.isneginf(lse.cpu()), dead)
+    assert_2x("lse", lse.cpu()[~dead], l64[~dead], llp[~dead], dtype)
+
+
 def test_backward_is_bit_identical_over_50_runs():
     V, B, Hq, Hkv, D, Qt, Kt = 64, 1, 4, 2, 128, 8, 8
     q, k, v, idx, cnt, qs, ks = make_case(torch.bfloat16, V, B, Hq, Hkv, D, Qt, Kt, 5, 4.0, 90)

@@ -16,6 +16,13 @@ namespace vidattn::cuda_sm90 {
 #define VIDATTN_SM90_DEVICE_CODE 1
 #endif
 
+// The CTA's threads write zeros over `bytes` (a multiple of 16) of shared memory at `p`.
+__device__ __forceinline__ void zero_fill(void* p, std::size_t bytes) {
+  auto* v = static_cast<uint4*>(p);
+  for (std::size_t i = threadIdx.x; i < bytes / sizeof(uint4); i += blockDim.x)
+    v[i] = make_uint4(0, 0, 0, 0);
+}
+
 template <class Traits, class Visit>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     sm90_attention_fwd_kernel(const __grid_constant__ FwdKernelParams<Traits> p) {
@@ -45,6 +52,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     cutlass::arch::fence_barrier_init();
   }
+  if constexpr (Traits::kPrefixLoads) {
+    // Prefix loads leave a slot's other rows as they were: zeros until a load fills them
+    // (uninitialised shared memory could hold NaN, and 0 * NaN is NaN). The proxy fence
+    // orders these writes before the TMA writes and wgmma reads that follow.
+    for (int s = 0; s < Traits::kStreams; ++s) {
+      auto& st = shared.stream[s];
+      zero_fill(st.k.data(), sizeof(st.k));
+      zero_fill(st.v.data(), sizeof(st.v));
+    }
+    cutlass::arch::fence_view_async_shared();
+  }
   __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;
@@ -57,6 +75,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           cute::prefetch_tma_descriptor(p.tma_q.get_tma_descriptor());
           cute::prefetch_tma_descriptor(p.tma_k.get_tma_descriptor());
           cute::prefetch_tma_descriptor(p.tma_v.get_tma_descriptor());
+          if constexpr (Traits::kPrefixLoads) {
+            cute::prefetch_tma_descriptor(&p.prefix.k);
+            cute::prefetch_tma_descriptor(&p.prefix.v);
+          }
         }
         producer_loop<Traits, Visit>(p, shared.stream[warp], warp);
       }

@@ -2,7 +2,10 @@
 // (passed by value as a __grid_constant__ kernel parameter) and the tile schedule.
 #pragma once
 
+#include <type_traits>
+
 #include "sm90_fwd_params.h"
+#include "sm90_fwd_prefix_loads.h"
 #include "sm90_fwd_traits.h"
 #include "sm90_tile_scheduler.h"
 
@@ -22,6 +25,7 @@ struct FwdKernelParams {
   float rescale_slack = 8.f;  // OnlineSoftmax::slack
   StreamItems items;          // Traits::kStreamItems only
   CombineArgs combine;        // Traits::kFusedCombine only
+  std::conditional_t<Traits::kPrefixLoads, PrefixLoadMaps, NoPrefixLoadMaps> prefix;
 };
 
 }  // namespace vidattn::cuda_sm90

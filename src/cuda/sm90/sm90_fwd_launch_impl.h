@@ -139,6 +139,50 @@ bool has_sm90a_code(Kernel kernel) {
   return attr.binaryVersion >= 90;
 }
 
+// VIDATTN_SM90_PREFIX_LOADS=0 loads whole key tiles in the 64-token kernel (for measuring the
+// prefix loads; read once).
+inline bool prefix_loads_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("VIDATTN_SM90_PREFIX_LOADS");
+    return !(v != nullptr && v[0] == '0');
+  }();
+  return on;
+}
+
+// The prefix-load descriptors (sm90_fwd_prefix_loads.h): 16-row boxes over the views of the
+// whole-tile loads. When the driver refuses one, the kernel loads whole tiles.
+template <class Traits>
+PrefixLoadMaps make_prefix_load_maps(const AttentionParams& a, const SparseKeyListArgs& s,
+                                     int kv_rows, int batch) {
+  PrefixLoadMaps m{};
+  if (!prefix_loads_enabled() || s.tile_volume != PrefixLoadMaps::kTileRows) return m;
+  using Element = typename Traits::Element;
+  constexpr int D = Traits::kHeadDim;
+  const CUtensorMapDataType type = std::is_same_v<Element, cutlass::bfloat16_t>
+                                       ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  auto encode = [&](cute::TmaDescriptor* map, const void* ptr, const RowStrides& st) {
+    constexpr std::uint64_t e = sizeof(Element);
+    // Strides of extent-1 dimensions are replaced by packed ones, as in gmem_view.
+    const std::uint64_t head = a.heads_kv > 1 ? st.head * e : D * e;
+    const std::uint64_t row = kv_rows > 1 ? st.row * e : head * a.heads_kv;
+    const std::uint64_t bat = batch > 1 ? st.batch * e : row * kv_rows;
+    const cuuint64_t dims[4] = {D, static_cast<cuuint64_t>(kv_rows),
+                                static_cast<cuuint64_t>(a.heads_kv),
+                                static_cast<cuuint64_t>(batch)};
+    const cuuint64_t strides[3] = {row, head, bat};
+    const cuuint32_t box[4] = {64, PrefixLoadMaps::kPieceRows, 1, 1};
+    const cuuint32_t unit[4] = {1, 1, 1, 1};
+    return cutlass::call_cuTensorMapEncodeTiled(
+               map, type, 4, const_cast<void*>(ptr), dims, strides, box, unit,
+               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+               CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
+           CUDA_SUCCESS;
+  };
+  m.enabled = encode(&m.k, a.k, a.k_strides) && encode(&m.v, a.v, a.v_strides);
+  return m;
+}
+
 template <class Traits, class Visit>
 bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStream_t stream,
             const CombineArgs* combine = nullptr) {
@@ -168,6 +212,8 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.sched.batch = a.batch;
   p.sched.longest_first = a.causal;
   if (combine != nullptr) p.combine = *combine;
+  if constexpr (Traits::kPrefixLoads)
+    p.prefix = make_prefix_load_maps<Traits>(a, sparse, p.kv_rows, p.tma_batch);
   p.pingpong = pingpong_enabled();
   p.rescale_slack = rescale_slack();
   const int tiles = p.sched.total_tiles();

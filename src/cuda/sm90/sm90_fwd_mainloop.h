@@ -113,19 +113,33 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
   auto cta_k = p.tma_k.get_slice(_0{});
   auto cta_v = p.tma_v.get_slice(_0{});
   // One block into slot `slot` of sX: one load, or two half loads (rows kb.start and
-  // kb.start_hi of the sequence).
+  // kb.start_hi of the sequence). kPrefixLoads: a key tile with fewer valid keys than rows
+  // loads only its prefix (`prefix_map`: K's or V's 16-row descriptor).
   auto load_block = [&](auto const& tma, auto const& cta, auto const& mX, auto sX_slot,
-                        uint64_t* full, const KeyBlock& kb, int k_base, int hk, int tb) {
+                        uint64_t* full, const KeyBlock& kb, int k_base, int hk, int tb,
+                        const cute::TmaDescriptor* prefix_map) {
     constexpr int R = Traits::kLoadRows;
     CUTE_UNROLL
     for (int h = 0; h < (Traits::kHalfLoads ? 2 : 1); ++h) {
       const int row = k_base + static_cast<int>(h == 0 ? kb.start : kb.start_hi);
+      if constexpr (Traits::kPrefixLoads) {
+        const int rows = PrefixLoadMaps::rows_of(h == 0 ? kb.valid : kb.valid_hi);
+        if (rows < R && p.prefix.enabled) {
+          // The slot's 64-column chunks lie kBlockN rows apart (K-major swizzled tiles).
+          load_key_rows<D>(prefix_map, full, raw_pointer_cast(&sX_slot(R * h, 0)),
+                           Traits::kBlockN * 64, rows, row, hk, tb);
+          continue;
+        }
+      }
       Tensor gX = local_tile(domain_offset(make_coord(row, _0{}), mX(_, _, hk, tb)),
                              Shape<Int<R>, Int<D>>{}, make_coord(_0{}, _0{}));
       Tensor sX = local_tile(sX_slot, Shape<Int<R>, Int<D>>{}, make_coord(h, _0{}));
       copy(tma.with(*full), cta.partition_S(gX), cta.partition_D(sX));
     }
   };
+  const cute::TmaDescriptor* prefix_map_k = nullptr;
+  const cute::TmaDescriptor* prefix_map_v = nullptr;
+  if constexpr (Traits::kPrefixLoads) prefix_map_k = &p.prefix.k, prefix_map_v = &p.prefix.v;
   RingState<Traits::kStagesK> k_ring;
   RingState<Traits::kStagesV> v_ring;
   uint32_t q_phase = 0;
@@ -176,20 +190,27 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
       int b = i + first;
       if (b >= n) b -= n;
       const KeyBlock kb = visit.block(b);
+      // The bytes the block's loads complete: a whole slot, or its prefixes (kPrefixLoads).
+      uint32_t kv_bytes = Traits::kKVBytes;
+      if constexpr (Traits::kPrefixLoads) {
+        if (p.prefix.enabled)
+          kv_bytes = (PrefixLoadMaps::rows_of(kb.valid) + PrefixLoadMaps::rows_of(kb.valid_hi)) *
+                     D * sizeof(typename Traits::Element);
+      }
       Barrier::wait(&st.k_empty[k_ring.stage], k_ring.phase ^ 1u);
       // Published to the consumers by the arrive below (release) and their wait (acquire).
       if constexpr (Visit::kProducerRecordsBlocks) {
         st.block_valid[k_ring.stage][0] = kb.valid;
         st.block_valid[k_ring.stage][1] = kb.valid_hi;
       }
-      Barrier::arrive_and_expect_tx(&st.k_full[k_ring.stage], Traits::kKVBytes);
+      Barrier::arrive_and_expect_tx(&st.k_full[k_ring.stage], kv_bytes);
       load_block(p.tma_k, cta_k, mK, sK(_, _, k_ring.stage), &st.k_full[k_ring.stage], kb,
-                 k_base, hk, tb);
+                 k_base, hk, tb, prefix_map_k);
       k_ring.advance();
       Barrier::wait(&st.v_empty[v_ring.stage], v_ring.phase ^ 1u);
-      Barrier::arrive_and_expect_tx(&st.v_full[v_ring.stage], Traits::kKVBytes);
+      Barrier::arrive_and_expect_tx(&st.v_full[v_ring.stage], kv_bytes);
       load_block(p.tma_v, cta_v, mV, sV(_, _, v_ring.stage), &st.v_full[v_ring.stage], kb,
-                 k_base, hk, tb);
+                 k_base, hk, tb, prefix_map_v);
       v_ring.advance();
     }
   }

@@ -46,6 +46,8 @@ struct FwdTraits {
   // streams of the 128-token kernel (docs/perf-notes.md, Hopper v19).
   static constexpr bool kRotatedWalk = kStreamItems && kWGPerStream == 1;
   static constexpr int kLoadRows = kHalfLoads ? kBlockN / 2 : kBlockN;  // rows per TMA load
+  // The 64-token kernel loads each key tile only up to its valid keys (sm90_fwd_prefix_loads.h).
+  static constexpr bool kPrefixLoads = kHalfLoads && kLoadRows == 64;
   static constexpr int kBlockMStream = 64 * kWGPerStream;
   static constexpr int kBlockM = kBlockMStream * kStreams;  // query rows per CTA tile
   static constexpr int kConsumerWGs = kStreams * kWGPerStream;
@@ -121,6 +123,12 @@ struct FwdTraits {
                    cute::Stride<cute::_1, cute::Int<kBlockN>>>{}));
   using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
                                              SmemLayoutKVLoad{}));
+  // A slot's rows lie 64 elements apart within a 64-column chunk, and its chunks kBlockN * 64
+  // elements apart (whole swizzle atoms down the rows first): the offsets the prefix loads
+  // write to (sm90_fwd_prefix_loads.h).
+  static_assert(SmemLayoutK{}(cute::make_coord(16, 0, 0)) == 16 * 64);
+  static_assert(kHeadDim == 64 ||
+                SmemLayoutK{}(cute::make_coord(0, 64, 0)) == kBlockN * 64);
   static constexpr uint32_t kQBytes = kBlockMStream * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);  // per slot
 
