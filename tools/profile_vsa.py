@@ -1,6 +1,7 @@
 """Where the time of one whole VSA forward goes: a torch.profiler table of its kernels.
 
-    python3 tools/profile_vsa.py [--grid 21x30x52] [--heads 12] [--sparsity 0.9] [--out F.txt]
+    python3 tools/profile_vsa.py [--grid 21x30x52] [--tile 4x4x4] [--heads 12] [--sparsity 0.9]
+        [--out F.txt]
 
 Default: Wan2.1-1.3B 480p (21x30x52 latent grid, 4x4x4 tiles, H12, D128, bf16, with a
 gate), the shape where the whole op is furthest from issue #5's 7.5x-over-cuDNN target.
@@ -20,13 +21,15 @@ import vidattn
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--grid", default="21x30x52")
+    p.add_argument("--tile", default="4x4x4", help="tile shape (volume 64, 128 or 256)")
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--sparsity", type=float, default=0.9)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     grid = tuple(int(x) for x in args.grid.split("x"))
-    tiling = vidattn.VideoTiling(grid=grid, tile=(4, 4, 4), device="cuda")
+    tile = tuple(int(x) for x in args.tile.split("x"))
+    tiling = vidattn.VideoTiling(grid=grid, tile=tile, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(*shape):
@@ -56,7 +59,7 @@ def main() -> None:
             events = [e for e in prof.key_averages() if e.device_time_total > 0]
             total = sum(e.device_time_total for e in events)
             lines.append(f"== {name}: {total / args.iters / 1e3:.3f} ms of kernels per forward "
-                         f"({args.grid}, H{args.heads}, sparsity {args.sparsity})")
+                         f"({args.grid}, tile {args.tile}, H{args.heads}, sparsity {args.sparsity})")
             for e in sorted(events, key=lambda e: -e.device_time_total):
                 lines.append(f"  {e.device_time_total / args.iters / 1e3:8.3f} ms "
                              f"{100 * e.device_time_total / total:5.1f}%  x{e.count // args.iters}"

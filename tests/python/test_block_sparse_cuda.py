@@ -163,17 +163,31 @@ def test_padding_content_is_never_read():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("dtype,D", [(torch.bfloat16, 128), (torch.float16, 64)])
-def test_every_key_tile_length_matches_float64_reference(dtype, D):
-    """The 64-token Hopper kernel loads a key tile only up to its valid keys (in 16-row
-    pieces; the slot's other rows keep an earlier tile's data) and nothing for an odd
-    list's repeated last tile: key tiles of every length 0..64, lists of odd and even
-    counts, GQA, K and V as strided views of one packed tensor, padded slots holding large
-    finite garbage."""
-    V, B, Hq, Hkv, Qt = 64, 2, 4, 2, 5
-    kv_sizes = torch.arange(V + 1, dtype=torch.int32).flip(0)  # 64, 63, ..., 0
+def _key_tile_lengths(V):
+    """Every length 0..V for 64-token tiles; for larger tiles those around the 16-row pieces,
+    the 64 / 128-row loads and the tile's end."""
+    if V == 64:
+        return torch.arange(V + 1, dtype=torch.int32).flip(0)  # 64, 63, ..., 0
+    picks = {0, 1, 15, 16, 17, 48, 63, 64, 65, 112, 127, 128, V - 1, V}
+    if V == 256:
+        picks |= {129, 144, 200, 240, 255}
+    return torch.tensor(sorted((x for x in picks if x <= V), reverse=True), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("dtype,D,V", [(torch.bfloat16, 128, 64), (torch.float16, 64, 64),
+                                       (torch.bfloat16, 128, 128), (torch.float16, 64, 256)])
+def test_every_key_tile_length_matches_float64_reference(dtype, D, V):
+    """Key tiles of every length (64-token tiles; around the 16-row piece boundaries for
+    larger tiles), lists of odd and even counts, GQA, K and V as strided views of one packed
+    tensor, padded slots holding large finite garbage. The 64-token Hopper kernel loads a key
+    tile only up to its valid keys (in 16-row pieces; the slot's other rows keep an earlier
+    tile's data) and nothing for an odd list's repeated last tile; the larger tiles' kernel
+    loads whole tiles (the prefix loads were measured slower there)."""
+    B, Hq, Hkv = 2, 4, 2
+    Qt = 5 if V == 64 else 3
+    kv_sizes = _key_tile_lengths(V)
     Kt = kv_sizes.numel()
-    seed = 4242 + D
+    seed = 4242 + D + V
     q = randn((B, Qt * V, Hq, D), seed, dtype, 2.0)
     kv = randn((B, Kt * V, 2, Hkv, D), seed + 1, dtype, 2.0)
     pad = (torch.arange(V)[None, :] >= kv_sizes[:, None].long()).reshape(-1)
@@ -185,7 +199,7 @@ def test_every_key_tile_length_matches_float64_reference(dtype, D):
     idx = torch.full((B, Hq, Qt, Kt), -1, dtype=torch.int32)
     cnt = torch.zeros((B, Hq, Qt), dtype=torch.int32)
     for b, h, t in itertools.product(range(B), range(Hq), range(Qt)):
-        # Every tile (an odd count: 65), or a random subset of odd or even size.
+        # Every tile, or a random subset of odd or even size.
         n = Kt if t == 0 else int(torch.randint(1, Kt + 1, (1,), generator=g))
         idx[b, h, t, :n] = torch.randperm(Kt, generator=g)[:n].sort().values.to(torch.int32)
         cnt[b, h, t] = n

@@ -139,8 +139,8 @@ bool has_sm90a_code(Kernel kernel) {
   return attr.binaryVersion >= 90;
 }
 
-// VIDATTN_SM90_PREFIX_LOADS=0 loads whole key tiles in the 64-token kernel (for measuring the
-// prefix loads; read once).
+// VIDATTN_SM90_PREFIX_LOADS=0 loads whole key tiles in the kernels with prefix loads (for
+// measuring them; read once).
 inline bool prefix_loads_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("VIDATTN_SM90_PREFIX_LOADS");
@@ -152,10 +152,9 @@ inline bool prefix_loads_enabled() {
 // The prefix-load descriptors (sm90_fwd_prefix_loads.h): 16-row boxes over the views of the
 // whole-tile loads. When the driver refuses one, the kernel loads whole tiles.
 template <class Traits>
-PrefixLoadMaps make_prefix_load_maps(const AttentionParams& a, const SparseKeyListArgs& s,
-                                     int kv_rows, int batch) {
+PrefixLoadMaps make_prefix_load_maps(const AttentionParams& a, int kv_rows, int batch) {
   PrefixLoadMaps m{};
-  if (!prefix_loads_enabled() || s.tile_volume != PrefixLoadMaps::kTileRows) return m;
+  if (!prefix_loads_enabled()) return m;
   using Element = typename Traits::Element;
   constexpr int D = Traits::kHeadDim;
   const CUtensorMapDataType type = std::is_same_v<Element, cutlass::bfloat16_t>
@@ -213,7 +212,7 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.sched.longest_first = a.causal;
   if (combine != nullptr) p.combine = *combine;
   if constexpr (Traits::kPrefixLoads)
-    p.prefix = make_prefix_load_maps<Traits>(a, sparse, p.kv_rows, p.tma_batch);
+    p.prefix = make_prefix_load_maps<Traits>(a, p.kv_rows, p.tma_batch);
   p.pingpong = pingpong_enabled();
   p.rescale_slack = rescale_slack();
   const int tiles = p.sched.total_tiles();

@@ -123,7 +123,7 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
     for (int h = 0; h < (Traits::kHalfLoads ? 2 : 1); ++h) {
       const int row = k_base + static_cast<int>(h == 0 ? kb.start : kb.start_hi);
       if constexpr (Traits::kPrefixLoads) {
-        const int rows = PrefixLoadMaps::rows_of(h == 0 ? kb.valid : kb.valid_hi);
+        const int rows = PrefixLoadMaps::rows_of<R>(h == 0 ? kb.valid : kb.valid_hi);
         if (rows < R && p.prefix.enabled) {
           // The slot's 64-column chunks lie kBlockN rows apart (K-major swizzled tiles).
           load_key_rows<D>(prefix_map, full, raw_pointer_cast(&sX_slot(R * h, 0)),
@@ -193,9 +193,12 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
       // The bytes the block's loads complete: a whole slot, or its prefixes (kPrefixLoads).
       uint32_t kv_bytes = Traits::kKVBytes;
       if constexpr (Traits::kPrefixLoads) {
-        if (p.prefix.enabled)
-          kv_bytes = (PrefixLoadMaps::rows_of(kb.valid) + PrefixLoadMaps::rows_of(kb.valid_hi)) *
-                     D * sizeof(typename Traits::Element);
+        constexpr int R = Traits::kLoadRows;
+        if (p.prefix.enabled) {
+          int rows = PrefixLoadMaps::rows_of<R>(kb.valid);
+          if constexpr (Traits::kHalfLoads) rows += PrefixLoadMaps::rows_of<R>(kb.valid_hi);
+          kv_bytes = rows * D * sizeof(typename Traits::Element);
+        }
       }
       Barrier::wait(&st.k_empty[k_ring.stage], k_ring.phase ^ 1u);
       // Published to the consumers by the arrive below (release) and their wait (acquire).

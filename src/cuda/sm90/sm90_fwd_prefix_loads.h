@@ -1,9 +1,10 @@
-// Key-tile prefix loads of the 64-token block-sparse kernel: a key tile with fewer valid keys
-// than its 64 slots (the edge tiles of a video grid that 4 x 4 x 4 does not divide) is loaded
-// in 16-row pieces up to its valid keys only, and a half-block with no valid key (an odd
-// list's last block repeats its tile with 0 keys; an out-of-range id) is not loaded at all.
-// The kernel is bound by what L2 delivers to the SMs (docs/perf-notes.md, the split probe),
-// and Wan's 480p and 720p grids have 18% padding slots.
+// Key-tile prefix loads of the block-sparse kernels (FwdTraits::kPrefixLoads: the 64-token
+// one): a key tile with fewer valid keys than slots (the edge tiles of a video grid that the
+// tile shape does not divide) is loaded in 16-row pieces up to its valid keys only, and a
+// load with no valid key (an odd list's last block repeats its tile with 0 keys; an
+// out-of-range id) is skipped. The 64-token kernel is bound by what L2 delivers to the SMs
+// (docs/perf-notes.md, the split probe), and Wan's 480p and 720p grids have 18% padding
+// slots.
 //
 // The slot's rows past the prefix keep what an earlier load left there, or the zeros the
 // kernel starts with. Their keys are masked as before, and their V rows meet exact-zero
@@ -19,18 +20,18 @@
 namespace vidattn::cuda_sm90 {
 
 struct PrefixLoadMaps {
-  static constexpr int kTileRows = 64;
   static constexpr int kPieceRows = 16;
   // 16-row boxes over the same (head dim, rows, heads, batch) views as the whole-tile loads.
   cute::TmaDescriptor k, v;
   bool enabled = false;  // false: whole-tile loads
 
-  // Rows loaded for a key tile with `keys` valid keys: none, the prefix in whole pieces, or
-  // the tile.
+  // Rows loaded for a load of kLoadRows rows with `keys` valid keys: none, the prefix in whole
+  // pieces, or all of them.
+  template <int kLoadRows>
   static __device__ __forceinline__ int rows_of(int keys) {
     if (keys <= 0) return 0;
     const int rows = (keys + kPieceRows - 1) / kPieceRows * kPieceRows;
-    return rows < kTileRows ? rows : kTileRows;
+    return rows < kLoadRows ? rows : kLoadRows;
   }
 };
 

@@ -46,7 +46,9 @@ struct FwdTraits {
   // streams of the 128-token kernel (docs/perf-notes.md, Hopper v19).
   static constexpr bool kRotatedWalk = kStreamItems && kWGPerStream == 1;
   static constexpr int kLoadRows = kHalfLoads ? kBlockN / 2 : kBlockN;  // rows per TMA load
-  // The 64-token kernel loads each key tile only up to its valid keys (sm90_fwd_prefix_loads.h).
+  // The 64-token kernel loads each key tile only up to its valid keys (sm90_fwd_prefix_loads.h;
+  // -5% at Wan 480p). The 128 / 256-token kernel, which moves half the bytes per FLOP, ran
+  // 0.3-0.7% slower with them and keeps whole loads (docs/perf-notes.md, Hopper v20).
   static constexpr bool kPrefixLoads = kHalfLoads && kLoadRows == 64;
   static constexpr int kBlockMStream = 64 * kWGPerStream;
   static constexpr int kBlockM = kBlockMStream * kStreams;  // query rows per CTA tile
