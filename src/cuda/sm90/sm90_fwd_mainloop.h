@@ -125,7 +125,7 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
       if constexpr (Traits::kPrefixLoads) {
         const int rows = PrefixLoadMaps::rows_of<R>(h == 0 ? kb.valid : kb.valid_hi);
         if (rows < R && p.prefix.enabled) {
-          // The slot's 64-column chunks lie kBlockN rows apart (K-major swizzled tiles).
+          // The slot's 64-column chunks lie kBlockN * 64 elements apart (K-major, swizzled).
           load_key_rows<D>(prefix_map, full, raw_pointer_cast(&sX_slot(R * h, 0)),
                            Traits::kBlockN * 64, rows, row, hk, tb);
           continue;

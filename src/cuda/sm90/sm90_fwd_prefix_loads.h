@@ -7,9 +7,9 @@
 // slots.
 //
 // The slot's rows past the prefix keep what an earlier load left there, or the zeros the
-// kernel starts with. Their keys are masked as before, and their V rows meet exact-zero
-// probabilities, so the results are the bits of whole-tile loads as long as K and V are
-// finite (include/vidattn/vsa.h). The full barrier expects the bytes actually loaded.
+// kernel starts with. Their keys are masked as before (whatever their K holds), and their V
+// rows meet exact-zero probabilities, so the results are the bits of whole-tile loads as
+// long as V is finite (include/vidattn/vsa.h). The full barrier expects the bytes loaded.
 #pragma once
 
 #include <cute/arch/copy_sm90_desc.hpp>
