@@ -59,7 +59,8 @@ def main() -> None:
             events = [e for e in prof.key_averages() if e.device_time_total > 0]
             total = sum(e.device_time_total for e in events)
             lines.append(f"== {name}: {total / args.iters / 1e3:.3f} ms of kernels per forward "
-                         f"({args.grid}, tile {args.tile}, H{args.heads}, sparsity {args.sparsity})")
+                         f"({args.grid}, tile {args.tile}, H{args.heads}, "
+                         f"sparsity {args.sparsity})")
             for e in sorted(events, key=lambda e: -e.device_time_total):
                 lines.append(f"  {e.device_time_total / args.iters / 1e3:8.3f} ms "
                              f"{100 * e.device_time_total / total:5.1f}%  x{e.count // args.iters}"

@@ -8,6 +8,8 @@ One shape (default Wan2.1-1.3B 480p, bf16, D128, no gate, as the bench's VSA row
 - CUDA graph, L2 flushed: the same op captured once and replayed; no host work per call,
   so eager minus graph is what host launches cost the GPU;
 - eager / graph, warm: CUDA events around back-to-back calls (L2 keeps the last call's data);
+- graph, isolated: CUDA events around single replays, each after 5 ms idle (back to back,
+  a long run sits at the board's power limit: tools/power_clocks.py);
 - host: wall time of the Python call alone (no synchronisation; the GPU queue absorbs it);
 - kernels: the sum of the op's kernel times (torch.profiler), the floor for all of the above;
 - cuDNN's dense forward on the same tensors (the bench's peer), for the ratio;
@@ -16,29 +18,28 @@ One shape (default Wan2.1-1.3B 480p, bf16, D128, no gate, as the bench's VSA row
 Not a test; a diagnostic for perf-notes.
 """
 import argparse
+import json
+import os
 import statistics
+import tempfile
 import time
 
 import torch
-import triton.testing
 from torch.profiler import ProfilerActivity, profile
 
 import vidattn
+from vidattn.bench.timing import CudaTimer
 
 
 def events_median(fn, reps=30):
-    """Median of CUDA-event times around fn, calls back to back (warm L2)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-             for _ in range(reps)]
-    for a, b in pairs:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in pairs)
+    """Median of CUDA-event times around fn, calls back to back (warm L2): the bench's timer
+    with a repeat count."""
+    return CudaTimer(warmup=3, repeats=reps).measure(fn).median_ms
+
+
+def flushed_median(fn):
+    """The bench's own timing: do_bench's median, L2 flushed before each call."""
+    return CudaTimer().measure(fn).median_ms
 
 
 def host_us(fn, calls=40):
@@ -54,7 +55,7 @@ def host_us(fn, calls=40):
 
 def isolated_events_median(fn, reps=15, idle_s=0.005):
     """Median of CUDA-event times around single calls, each after a synchronisation and an
-    idle pause (the GPU starts every call at its idle clocks and with an empty queue)."""
+    idle pause: every call starts on an idle GPU (below its power limit, an empty queue)."""
     times = []
     for _ in range(reps + 2):
         torch.cuda.synchronize()
@@ -79,10 +80,6 @@ def kernel_ms(fn, iters=10):
 def timeline(fn, iters=6):
     """Kernels (and memsets) of each call from a profiler trace, calls separated by a host
     synchronisation: per call the span first start -> last end, the busy time, and the gaps."""
-    import json
-    import os
-    import tempfile
-
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             fn()
@@ -150,29 +147,27 @@ def main() -> None:
         lines.append(f"graph replay output equals eager: {same}")
         for r in range(args.rounds):
             rows = {
-                "eager, L2 flushed (do_bench)": triton.testing.do_bench(eager, return_mode="median"),
-                "graph, L2 flushed (do_bench)": triton.testing.do_bench(graph.replay,
-                                                                        return_mode="median"),
+                "eager, L2 flushed (do_bench)": flushed_median(eager),
+                "graph, L2 flushed (do_bench)": flushed_median(graph.replay),
                 "eager, warm (events)": events_median(eager),
                 "graph, warm (events)": events_median(graph.replay),
                 "graph, isolated calls (events)": isolated_events_median(graph.replay),
                 "kernels (profiler sum)": kernel_ms(eager),
                 "cuDNN dense, warm (events)": events_median(cudnn, reps=10),
                 "cuDNN dense, kernels (profiler sum)": kernel_ms(cudnn, iters=5),
-                "cuDNN dense, L2 flushed (do_bench)": triton.testing.do_bench(
-                    cudnn, return_mode="median"),
+                "cuDNN dense, L2 flushed (do_bench)": flushed_median(cudnn),
             }
             for name, ms in rows.items():
                 lines.append(f"  round {r + 1}  {name:32s} {ms:8.4f} ms")
             lines.append(f"  round {r + 1}  {'host per eager call':32s} {host_us(eager):8.1f} us")
         flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
 
-        def flushed(fn):
+        def after_flush(fn):
             return lambda: (flush.zero_(), fn())
 
         for label, fn in (("eager", eager), ("graph", graph.replay),
-                          ("eager after an L2 flush (first kernel: the flush)", flushed(eager)),
-                          ("graph after an L2 flush", flushed(graph.replay))):
+                          ("eager after an L2 flush (first kernel: the flush)", after_flush(eager)),
+                          ("graph after an L2 flush", after_flush(graph.replay))):
             rows, names = timeline(fn)
             lines.append(f"timeline, {label} (one call per row):")
             lines += ["  " + r for r in rows]
