@@ -4,14 +4,15 @@
 
 For each workload (vidattn's dense forward and cuDNN's at Wan 480p and 32K tokens, D128; the
 whole VSA forward at Wan 480p), after 1 s idle: run it back to back for --seconds, sampling
-nvidia-smi every 50 ms, and print the median SM clock, power and throttle reasons over the
+NVML every 50 ms (the bench's sampler), and print the median SM clock, power and clock-limit
+reasons over the
 second half of the window (the first half is the ramp to the power limit), with the median
 call time. A long run of a kernel on an H200 sits at the board's power limit, so what it
 costs in energy per FLOP sets its clock and so its speed. Not a test; a diagnostic.
 """
 import argparse
 import statistics
-import subprocess
+import sys
 import time
 
 import torch
@@ -19,40 +20,26 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import vidattn
+from vidattn.bench.clocks import ClockSampler
 
 
-def sampled(fn, seconds):
-    """Runs fn back to back for `seconds` while nvidia-smi samples; returns (call ms median
-    over the second half, [(clock MHz, power W, reasons)] of the second half)."""
-    smi = subprocess.Popen(
-        ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
-         "--format=csv,noheader,nounits", "-lms", "50", "-i", str(torch.cuda.current_device())],
-        stdout=subprocess.PIPE, text=True)
-    time.sleep(1.0)  # idle; nvidia-smi starts up
-    events, t0 = [], time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
+def sampled(fn, seconds, sampler):
+    """Runs fn back to back for `seconds` (after 1 s idle) while `sampler` runs; returns the
+    median call time and the clock summary (vidattn.bench.clocks.summarise) of the second
+    half."""
+    time.sleep(1.0)
+    events, t0 = [], time.monotonic()
+    while time.monotonic() - t0 < seconds:
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
         fn()
         b.record()
-        events.append((time.perf_counter() - t0, a, b))
+        events.append((time.monotonic() - t0, a, b))
         if len(events) % 8 == 0:
             events[-8][2].synchronize()  # keep the queue a few calls deep
     torch.cuda.synchronize()
-    smi.terminate()
-    lines = smi.communicate()[0].strip().splitlines()
-    # Samples: ~1 s idle, then the run; keep the run's second half.
-    n_idle = int(1.0 / 0.05)
-    run = lines[n_idle:]
-    samples = []
-    for line in run[len(run) // 2:]:
-        parts = [p.strip() for p in line.split(",")]
-        try:
-            samples.append((float(parts[0]), float(parts[1]), parts[2]))
-        except (ValueError, IndexError):
-            pass
     late = [a.elapsed_time(b) for t, a, b in events if t >= seconds / 2]
-    return statistics.median(late), samples
+    return statistics.median(late), sampler.window(t0 + seconds / 2, time.monotonic())
 
 
 def main() -> None:
@@ -83,20 +70,28 @@ def main() -> None:
     work.append(("vidattn VSA 480p (sparsity 0.9)", lambda: vidattn.video_sparse_attention(
         tq, tk, tv, tiling=tiling, sparsity=0.9), None))
 
+    sampler = ClockSampler.for_device(torch.device("cuda", torch.cuda.current_device()))
+    if sampler is None:
+        sys.exit("power_clocks: NVML (libnvidia-ml) is not available")
     lines = [f"== {torch.cuda.get_device_name()}: back to back for {args.seconds} s each, "
              "medians over the second half"]
-    with torch.no_grad():
-        for name, fn, flops in work:
-            fn()
-            torch.cuda.synchronize()
-            ms, samples = sampled(fn, args.seconds)
-            clock = statistics.median(s[0] for s in samples) if samples else float("nan")
-            power = statistics.median(s[1] for s in samples) if samples else float("nan")
-            reasons = sorted({s[2] for s in samples})
-            rate = f"{flops / ms / 1e9:7.1f} TFLOP/s, {flops / ms / 1e9 / clock * 1e3:6.1f} " \
-                   "TFLOP/s per GHz" if flops else ""
-            lines.append(f"  {name:34s} {ms:8.3f} ms  SM {clock:6.0f} MHz  {power:5.0f} W  "
-                         f"{rate}  throttle {reasons}")
+    sampler.start()
+    try:
+        with torch.no_grad():
+            for name, fn, flops in work:
+                fn()
+                torch.cuda.synchronize()
+                ms, seen = sampled(fn, args.seconds, sampler)
+                if seen is None:
+                    lines.append(f"  {name:34s} {ms:8.3f} ms  (no clock samples)")
+                    continue
+                clock = seen["sm_mhz_median"]
+                rate = (f"{flops / ms / 1e9:7.1f} TFLOP/s, "
+                        f"{flops / ms / 1e9 / clock * 1e3:6.1f} TFLOP/s per GHz" if flops else "")
+                lines.append(f"  {name:34s} {ms:8.3f} ms  SM {clock:6.0f} MHz  "
+                             f"{seen['power_w_median']:5.0f} W  {rate}  limits {seen['reasons']}")
+    finally:
+        sampler.stop()
     text = "\n".join(lines)
     print(text)
     if args.out:

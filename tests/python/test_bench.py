@@ -8,13 +8,14 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 import vidattn
-from vidattn.bench import environment, reference, report, shapes
+from vidattn.bench import clocks, environment, reference, report, shapes
 from vidattn.bench.cases import DenseCase, Impl, SdpaDense, VidattnDense, cases_for
 from vidattn.bench.plot import write_plot
 from vidattn.bench.runner import Plan, direction_flops, run_plan
@@ -271,3 +272,51 @@ def test_vsa_reference_is_dense_at_zero_sparsity():
     assert (out - vsa_ref).abs().max() < 1e-10
     # Pad slots are zero in the reference.
     assert torch.all(vsa_ref[:, ~inputs.tiling.slot_valid] == 0)
+
+
+def test_clock_summary_takes_the_samples_of_its_window():
+    samples = [(0.0, 1980.0, 120.0, 0x1), (1.0, 1755.0, 690.0, 0x4), (1.5, 1650.0, 700.0, 0x4),
+               (2.0, 1700.0, 695.0, 0x4 | 0x20), (9.0, 1980.0, 90.0, 0x1)]
+    got = clocks.summarise(samples, 1.0, 2.0)
+    assert got == {"sm_mhz_median": 1700.0, "sm_mhz_min": 1650.0, "power_w_median": 695.0,
+                   "reasons": ["power cap", "sw thermal"], "samples": 3}
+    assert clocks.summarise(samples, 3.0, 8.0) is None
+    assert clocks.reason_names(0x4 | 0x1000) == ["power cap", "0x1000"]
+
+
+def test_rows_record_the_clocks_sampled_while_they_were_timed(tmp_path):
+    """A sampler with a fake reader: the timed rows get its summary, the table an SM MHz
+    column and the notes a line; a CPU run without a sampler records nothing."""
+    class SlowTimer(CpuTimer):  # a timed stretch the sampler cannot miss
+        def measure_group(self, fns):
+            time.sleep(0.05)
+            return super().measure_group(fns)
+
+    sampler = clocks.ClockSampler(lambda: (1650.0, 690.0, 0x4), period_s=0.001,
+                                  description="fake")
+    case = cases_for(torch.device("cpu"))[0]
+    plan = Plan(shapes=[shapes.Shape(1, 2, 16, 24, 8)], dtypes=["fp32"], directions=["fwd"],
+                cases=[case], device=torch.device("cpu"),
+                timer=SlowTimer(warmup=0, repeats=1), clocks=sampler.start())
+    try:
+        rows = run_plan(plan)
+    finally:
+        sampler.stop()
+    timed = [r for r in rows if r["status"] == "ok"]
+    assert timed and all(r["clocks"]["sm_mhz_median"] == 1650.0 and
+                         r["clocks"]["reasons"] == ["power cap"] and r["clocks"]["samples"] >= 1
+                         for r in timed)
+    table = report.format_table(rows)
+    assert "SM MHz" in table.splitlines()[0] and "1650" in table
+    meta = {"device": "cpu-test-1t", "device_description": "test", "threads": 1,
+            "torch_version": torch.__version__, "git_commit": None, "timer": "test",
+            "clock_sampling": "fake"}
+    assert f"held by the power cap in {len(timed)} of {len(timed)} rows" in \
+        report.format_notes(rows, meta)
+    assert "SM" in report.format_rows_brief(timed)
+    plain = run_plan(Plan(shapes=[shapes.Shape(1, 2, 16, 24, 8)], dtypes=["fp32"],
+                          directions=["fwd"], cases=[case], device=torch.device("cpu"),
+                          timer=CpuTimer(warmup=0, repeats=1)))
+    assert not any("clocks" in r for r in plain)
+    assert "SM MHz" not in report.format_table(plain)
+    assert clocks.ClockSampler.for_device(torch.device("cpu")) is None

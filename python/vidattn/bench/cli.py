@@ -11,6 +11,7 @@ import torch
 
 from . import cases as cases_mod
 from . import environment, report, shapes as shapes_mod
+from .clocks import ClockSampler
 from .runner import Plan, run_plan
 from .timing import timer_for
 
@@ -127,10 +128,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 dtypes=args.dtype or preset.dtypes or DEFAULT_DTYPES[device.type],
                 directions=args.directions or preset.directions, cases=cases, device=device,
                 timer=timer_for(device, args.warmup, args.repeats, preset.cpu_min_repeats),
-                seed=args.seed, input_scale=args.input_scale, ref_heads=args.ref_heads)
+                seed=args.seed, input_scale=args.input_scale, ref_heads=args.ref_heads,
+                clocks=ClockSampler.for_device(device))
 
     meta = environment.metadata(device, threads, argv)
-    meta.update(timer=plan.timer.name, seed=args.seed, input_scale=args.input_scale)
+    meta.update(timer=plan.timer.name, seed=args.seed, input_scale=args.input_scale,
+                clock_sampling=plan.clocks.description if plan.clocks else None)
     from .peers import fastvideo_info
 
     meta["peers"] = {"fastvideo_kernel": fastvideo_info(),
@@ -140,12 +143,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from tqdm import tqdm
 
     started = time.perf_counter()
-    with tqdm(total=plan.row_count, desc="vidattn.bench", unit="row", file=sys.stderr,
-              disable=args.no_progress, dynamic_ncols=True) as bar:
-        rows = run_plan(plan, progress=bar.update,
-                        on_rows=(lambda group: print(report.format_rows_brief(group),
-                                                     file=sys.stderr, flush=True))
-                        if args.no_progress else (lambda group: None))
+    if plan.clocks is not None:
+        plan.clocks.start()
+    try:
+        with tqdm(total=plan.row_count, desc="vidattn.bench", unit="row", file=sys.stderr,
+                  disable=args.no_progress, dynamic_ncols=True) as bar:
+            rows = run_plan(plan, progress=bar.update,
+                            on_rows=(lambda group: print(report.format_rows_brief(group),
+                                                         file=sys.stderr, flush=True))
+                            if args.no_progress else (lambda group: None))
+    finally:
+        if plan.clocks is not None:
+            plan.clocks.stop()
     meta["wall_s"] = round(time.perf_counter() - started, 3)
 
     print(report.format_table(rows))

@@ -40,10 +40,19 @@ def _cells(row: dict) -> list[str]:
                    f"{err:.2e}" if math.isfinite(err) else str(err), row["ref_scope"]["label"]]
 
 
+def _clock_cell(row: dict) -> str:
+    clocks = row.get("clocks")
+    return f"{clocks['sm_mhz_median']:.0f}" if clocks else "-"
+
+
 def format_table(rows: Sequence[dict]) -> str:
-    cells = [list(COLUMNS)] + [_cells(r) for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
-    numeric = {4, 5, 6, 7}
+    """One line a row; an "SM MHz" column (the median SM clock while the row was timed) when
+    the run sampled clocks."""
+    with_clocks = any(r.get("clocks") for r in rows)
+    header = list(COLUMNS) + (["SM MHz"] if with_clocks else [])
+    cells = [header] + [_cells(r) + ([_clock_cell(r)] if with_clocks else []) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(header))]
+    numeric = {4, 5, 6, 7, 9}
     lines = []
     for n, row in enumerate(cells):
         lines.append("  ".join(c.rjust(w) if i in numeric else c.ljust(w)
@@ -59,8 +68,10 @@ def format_rows_brief(rows: Sequence[dict]) -> str:
     for r in rows:
         what = f"{r['case']} {r['shape_label']} {r['dtype']} {r['direction']} {r['impl']}:"
         if r["status"] == "ok":
+            clocks = r.get("clocks")
             lines.append(f"{what} {r['median_ms']:.4g} ms, {r['tflops']:.4g} TFLOP/s, "
-                         f"max abs err {r['max_abs_err']:.3g}")
+                         f"max abs err {r['max_abs_err']:.3g}"
+                         + (f", SM {clocks['sm_mhz_median']:.0f} MHz" if clocks else ""))
         else:
             lines.append(f"{what} {r['status']} ({r['note']})")
     return "\n".join(lines)
@@ -81,6 +92,12 @@ def format_notes(rows: Sequence[dict], meta: dict) -> str:
         ratios = ", ".join(f"{k} {v:.2f}x" for k, v in r["ratios_to_peers"].items())
         notes.append(f"{r['impl']} {r['shape_label']} {r['dtype']} {r['direction']}: "
                      f"vs every peer: {ratios}")
+    clocked = [r for r in rows if r.get("clocks")]
+    if clocked:
+        capped = sum("power cap" in r["clocks"]["reasons"] for r in clocked)
+        notes.append(f"SM MHz: median SM clock while the row was timed "
+                     f"({meta.get('clock_sampling')}); held by the power cap in {capped} of "
+                     f"{len(clocked)} rows")
     fastvideo = meta.get("peers", {}).get("fastvideo_kernel")
     if fastvideo is not None:
         notes.append("fastvideo-kernel: " + (

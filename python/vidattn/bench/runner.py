@@ -2,6 +2,7 @@
 implementation), all on the same seeded inputs and checked against one float64 reference."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -25,6 +26,7 @@ class Plan:
     seed: int = 0
     input_scale: float = 1.0
     ref_heads: Optional[int] = None
+    clocks: Optional[object] = None  # clocks.ClockSampler, running while rows are timed
 
     def groups(self):
         for shape_index, shape in enumerate(self.shapes):
@@ -174,7 +176,7 @@ def _run_group(plan, case, shape, dtype, dtype_name, direction, inputs, gen) -> 
 
 def _time_or_skip(plan: Plan, prepared, flops: float) -> None:
     try:
-        _time(plan.timer, prepared, flops)
+        _time(plan.timer, prepared, flops, plan.clocks)
     except Exception as e:  # e.g. out of memory while timing: keep the row, say why
         for row, p in prepared:
             for key in ("errors", "max_abs_err"):
@@ -184,11 +186,16 @@ def _time_or_skip(plan: Plan, prepared, flops: float) -> None:
         _free(plan.device)
 
 
-def _time(timer, prepared, flops: float) -> None:
+def _time(timer, prepared, flops: float, clocks=None) -> None:
+    started = time.monotonic()
     timings = timer.measure_group([p.run for _, p in prepared])
+    # The GPU times one implementation per call; on the CPU nothing is sampled.
+    seen = clocks.window(started, time.monotonic()) if clocks is not None else None
     for (row, _), t in zip(prepared, timings):
         row.update(median_ms=t.median_ms, min_ms=t.min_ms, repeats=t.repeats,
                    tflops=flops / (t.median_ms * 1e-3) / 1e12)
+        if seen is not None:
+            row["clocks"] = seen
 
 
 def _compare_to_peer(rows: list[dict], peer_order: Sequence[str]) -> None:
