@@ -8,26 +8,15 @@ import math
 import torch
 
 import vidattn
+from vidattn.bench.timing import CudaTimer
 
 ops = torch.ops.vidattn
 
 
 def bench(fn):
-    try:
-        from triton.testing import do_bench
-        return do_bench(fn, warmup=25, rep=100, return_mode="median")
-    except ImportError:
-        for _ in range(5):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(30):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2]
+    """The bench's GPU timer: do_bench's median (warm-up 25 ms, 100 ms of runs), or CUDA
+    events after warm-up when triton is missing."""
+    return CudaTimer().measure(fn).median_ms
 
 
 def main():
