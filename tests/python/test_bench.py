@@ -311,7 +311,7 @@ def test_rows_record_the_clocks_sampled_while_they_were_timed(tmp_path):
     meta = {"device": "cpu-test-1t", "device_description": "test", "threads": 1,
             "torch_version": torch.__version__, "git_commit": None, "timer": "test",
             "clock_sampling": "fake"}
-    assert f"held by the power cap in {len(timed)} of {len(timed)} rows" in \
+    assert f"the power cap limited it in {len(timed)} of {len(timed)} rows" in \
         report.format_notes(rows, meta)
     assert "SM" in report.format_rows_brief(timed)
     plain = run_plan(Plan(shapes=[shapes.Shape(1, 2, 16, 24, 8)], dtypes=["fp32"],

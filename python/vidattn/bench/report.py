@@ -96,7 +96,7 @@ def format_notes(rows: Sequence[dict], meta: dict) -> str:
     if clocked:
         capped = sum("power cap" in r["clocks"]["reasons"] for r in clocked)
         notes.append(f"SM MHz: median SM clock while the row was timed "
-                     f"({meta.get('clock_sampling')}); held by the power cap in {capped} of "
+                     f"({meta.get('clock_sampling')}); the power cap limited it in {capped} of "
                      f"{len(clocked)} rows")
     fastvideo = meta.get("peers", {}).get("fastvideo_kernel")
     if fastvideo is not None:
