@@ -150,33 +150,29 @@ inline bool prefix_loads_enabled() {
 }
 
 // The prefix-load descriptors (sm90_fwd_prefix_loads.h): 16-row boxes over the views of the
-// whole-tile loads. When the driver refuses one, the kernel loads whole tiles.
+// whole-tile loads (gmem_view). When the driver refuses one, the kernel loads whole tiles.
 template <class Traits>
 PrefixLoadMaps make_prefix_load_maps(const AttentionParams& a, int kv_rows, int batch) {
   PrefixLoadMaps m{};
   if (!prefix_loads_enabled()) return m;
   using Element = typename Traits::Element;
-  constexpr int D = Traits::kHeadDim;
-  const CUtensorMapDataType type = std::is_same_v<Element, cutlass::bfloat16_t>
-                                       ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-                                       : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   auto encode = [&](cute::TmaDescriptor* map, const void* ptr, const RowStrides& st) {
+    const auto view = gmem_view<Traits>(ptr, kv_rows, a.heads_kv, batch, st);
     constexpr std::uint64_t e = sizeof(Element);
-    // Strides of extent-1 dimensions are replaced by packed ones, as in gmem_view.
-    const std::uint64_t head = a.heads_kv > 1 ? st.head * e : D * e;
-    const std::uint64_t row = kv_rows > 1 ? st.row * e : head * a.heads_kv;
-    const std::uint64_t bat = batch > 1 ? st.batch * e : row * kv_rows;
-    const cuuint64_t dims[4] = {D, static_cast<cuuint64_t>(kv_rows),
+    // TMA's order: head dim (contiguous), rows, heads, batch; strides in bytes.
+    const cuuint64_t dims[4] = {Traits::kHeadDim, static_cast<cuuint64_t>(kv_rows),
                                 static_cast<cuuint64_t>(a.heads_kv),
                                 static_cast<cuuint64_t>(batch)};
-    const cuuint64_t strides[3] = {row, head, bat};
+    const cuuint64_t strides[3] = {cute::get<0>(view.stride()) * e,
+                                   cute::get<2>(view.stride()) * e,
+                                   cute::get<3>(view.stride()) * e};
     const cuuint32_t box[4] = {64, PrefixLoadMaps::kPieceRows, 1, 1};
     const cuuint32_t unit[4] = {1, 1, 1, 1};
     return cutlass::call_cuTensorMapEncodeTiled(
-               map, type, 4, const_cast<void*>(ptr), dims, strides, box, unit,
-               CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-               CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) ==
-           CUDA_SUCCESS;
+               map, cute::TMA::to_CUtensorMapDataType<Element>(), 4, const_cast<void*>(ptr),
+               dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+               CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
   };
   m.enabled = encode(&m.k, a.k, a.k_strides) && encode(&m.v, a.v, a.v_strides);
   return m;
