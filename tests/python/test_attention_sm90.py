@@ -180,6 +180,53 @@ def test_disable_env_keeps_the_portable_path():
     assert int(res.stdout.strip().splitlines()[-1]) >= 1
 
 
+# Dense D = 128 problems with an even number of 128-row query blocks run in CTA pairs that
+# share each K / V load (TMA multicast); odd counts, causal, varlen and key masks on single
+# CTAs. B, Sq, Sk, Hq, Hkv, dtype: partial last query and key blocks, GQA, q != kv length.
+PAIR_SHAPES = [(2, 200, 333, 4, 2, torch.bfloat16), (1, 1000, 1000, 3, 3, torch.float16),
+               (3, 256, 4100, 2, 1, torch.bfloat16), (1, 4096, 77, 2, 2, torch.float16)]
+
+
+@pytest.mark.parametrize("shape", PAIR_SHAPES, ids=lambda c: "B{}_Sq{}_Sk{}_H{}x{}_{}".format(
+    *c[:5], str(c[5])[6:]))
+def test_sm90_cta_pairs_match_reference(shape):
+    B, Sq, Sk, Hq, Hkv, dtype = shape
+    seed = zlib.crc32(repr(shape).encode())
+    g = gen(seed)
+    q = randn((B, Sq, Hq, 128), dtype, g, 4.0)
+    k = randn((B, Sk, Hkv, 128), dtype, g, 4.0)
+    v = randn((B, Sk, Hkv, 128), dtype, g)
+    takes_sm90(lambda: run_and_check(q, k, v, seed=seed, check_grads=False))
+
+
+def test_sm90_cta_pairs_give_the_bits_of_single_ctas(tmp_path):
+    """VIDATTN_SM90_CLUSTER=0 runs the pairs' problems on single CTAs: the same arithmetic in
+    the same order, so the same output and LSE bits (and a pair that loaded a wrong half of
+    a block, or read a slot its partner had not filled, would not give them)."""
+    code = (
+        "import sys, torch, vidattn\n"
+        f"shapes = {[(b, sq, sk, hq, hkv, str(dt)) for b, sq, sk, hq, hkv, dt in PAIR_SHAPES]!r}\n"
+        "outs = []\n"
+        "for i, (b, sq, sk, hq, hkv, dt) in enumerate(shapes):\n"
+        "    g = torch.Generator(device='cuda').manual_seed(i)\n"
+        "    dt = getattr(torch, dt.split('.')[1])\n"
+        "    q, k, v = (torch.randn(b, s, h, 128, generator=g, device='cuda', dtype=dt)\n"
+        "               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))\n"
+        "    outs += list(vidattn.attention(q, k, v, return_lse=True))\n"
+        "torch.save([o.cpu() for o in outs], sys.argv[1])\n")
+    got = {}
+    for setting in ("1", "0"):
+        path = tmp_path / f"cluster{setting}.pt"
+        env = dict(os.environ, VIDATTN_SM90_CLUSTER=setting)
+        res = subprocess.run([sys.executable, "-c", code, str(path)], env=env,
+                             capture_output=True, text=True, timeout=180)
+        assert res.returncode == 0, res.stderr
+        got[setting] = torch.load(path)
+    for paired, single in zip(got["1"], got["0"]):
+        assert paired.isfinite().all()
+        assert torch.equal(paired, single)
+
+
 def test_misaligned_views_fall_back():
     """Rows that TMA cannot read (2-byte offset) take the portable path, still correct.
     (run_and_check clones its inputs, which would realign them: call the op directly.)"""

@@ -5,6 +5,7 @@
 // body that the launcher never runs (it checks the kernel's binary version first).
 #pragma once
 
+#include <cute/arch/cluster_sm90.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 
 #include "sm90_fwd_combine.h"
@@ -31,6 +32,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const auto base = (reinterpret_cast<std::uintptr_t>(smem_raw) + 1023) & ~std::uintptr_t(1023);
   auto& shared = *reinterpret_cast<typename Traits::SharedStorage*>(base);
   constexpr int kConsumersPerStream = 128 * Traits::kWGPerStream;
+  // Arrivals that free a K / V slot: each consumer thread, or (kClusterM > 1) one lane per
+  // consumer warp of every CTA of the cluster, whose loads all write into the slot.
+  constexpr int kSlotReleases = Traits::kClusterM == 1
+                                    ? kConsumersPerStream
+                                    : kConsumersPerStream / 32 * Traits::kClusterM;
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Traits::kStreams; ++s) {
@@ -39,11 +45,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       Barrier::init(&st.q_empty, kConsumersPerStream);
       for (int i = 0; i < Traits::kStagesK; ++i) {
         Barrier::init(&st.k_full[i], 1);
-        Barrier::init(&st.k_empty[i], kConsumersPerStream);
+        Barrier::init(&st.k_empty[i], kSlotReleases);
       }
       for (int i = 0; i < Traits::kStagesV; ++i) {
         Barrier::init(&st.v_full[i], 1);
-        Barrier::init(&st.v_empty[i], kConsumersPerStream);
+        Barrier::init(&st.v_empty[i], kSlotReleases);
       }
       if constexpr (Traits::kFusedCombine) {
         Barrier::init(&st.o_ready, kConsumersPerStream);
@@ -63,7 +69,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     cutlass::arch::fence_view_async_shared();
   }
-  __syncthreads();
+  // A cluster's CTAs load into each other's slots and free each other's: every barrier of
+  // the cluster is initialised before any of them is used.
+  if constexpr (Traits::kClusterM > 1) cute::cluster_sync();
+  else __syncthreads();
 
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {

@@ -36,6 +36,11 @@ using DenseTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2>;
 // two warpgroups leave the tensor cores idle half the time; a third fills more of it
 // (+10-13% at 8K-32K keys). Short key loops (4K) and D = 128 (whose output accumulator does
 // not fit three warpgroups' registers) stay on two (docs/perf-notes.md, Hopper v14).
+// Dense in CTA pairs sharing every K / V load (TMA multicast): L2 sends each block once per
+// two query tiles. Under the H200's power cap, moving bytes out of L2 costs clock
+// (docs/perf-notes.md, Hopper v21).
+template <class T, int D>
+using DenseClusterTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2, false, false, false, 2>;
 template <class T>
 using Dense64WideTraits = FwdTraits<CutlassElement<T>, 64, 128, 3, 1, 2, 2>;
 inline constexpr std::int64_t kDense64WideMinKeys = 8192;
@@ -120,6 +125,25 @@ inline bool persistent_grid_forced() {
   return on;
 }
 
+// VIDATTN_SM90_CLUSTER=0 keeps dense attention on single CTAs (for measuring the pairs;
+// read once).
+inline bool dense_cluster_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("VIDATTN_SM90_CLUSTER");
+    return !(v != nullptr && v[0] == '0');
+  }();
+  return on;
+}
+
+// Whether the dense problem runs in CTA pairs: the two tiles of a pair (consecutive slots of
+// the one-CTA-per-tile grid) must belong to one head and visit the same key blocks, so: not
+// causal, not varlen, no key mask, an even number of query blocks per head.
+inline bool dense_cluster_fits(const AttentionParams& a, int block_m) {
+  return dense_cluster_enabled() && !a.causal && !a.varlen && a.key_mask == nullptr &&
+         a.sm_margin <= 0 && !persistent_grid_forced() &&
+         ((a.seqlen_q + block_m - 1) / block_m) % 2 == 0;
+}
+
 inline int sm_count() {
   int device = 0, count = 0;
   cuda_sm80::check_cuda(cudaGetDevice(&device), "cudaGetDevice");
@@ -196,12 +220,14 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.tma_q = make_tma_copy(SM90_TMA_LOAD{},
                           gmem_view<Traits>(a.q, p.q_rows, a.heads_q, p.tma_batch, a.q_strides),
                           typename Traits::SmemLayoutQ{});
-  p.tma_k = make_tma_copy(SM90_TMA_LOAD{},
+  using KVOp = typename Traits::TmaKVOp;
+  constexpr auto kCluster = Int<Traits::kClusterM>{};
+  p.tma_k = make_tma_copy(KVOp{},
                           gmem_view<Traits>(a.k, p.kv_rows, a.heads_kv, p.tma_batch, a.k_strides),
-                          typename Traits::SmemLayoutKVLoad{});
-  p.tma_v = make_tma_copy(SM90_TMA_LOAD{},
+                          typename Traits::SmemLayoutKVLoad{}, kCluster);
+  p.tma_v = make_tma_copy(KVOp{},
                           gmem_view<Traits>(a.v, p.kv_rows, a.heads_kv, p.tma_batch, a.v_strides),
-                          typename Traits::SmemLayoutKVLoad{});
+                          typename Traits::SmemLayoutKVLoad{}, kCluster);
   p.sched.num_m_blocks = static_cast<int>((a.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
   p.sched.heads = a.heads_q;
   p.sched.batch = a.batch;
@@ -233,8 +259,28 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
     cuda_sm80::check_cuda(cudaMemsetAsync(p.items.counter, 0, sizeof(int), stream),
                           "cudaMemsetAsync (sm90 tile counter)");
   }
-  kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
-  const cudaError_t launched = cudaGetLastError();
+  cudaError_t launched = cudaSuccess;
+  if constexpr (Traits::kClusterM > 1) {
+    // Clusters of kClusterM consecutive CTAs: the tiles of consecutive slots (the caller
+    // checks that they share a head and a key range; see dense_cluster_fits).
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(grid);
+    config.blockDim = dim3(Traits::kThreads);
+    config.dynamicSmemBytes = Traits::kSmemBytes;
+    config.stream = stream;
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = Traits::kClusterM;
+    cluster.val.clusterDim.y = 1;
+    cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    launched = cudaLaunchKernelEx(&config, kernel, p);
+  } else {
+    kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
+  }
+  const cudaError_t last = cudaGetLastError();  // also clears a failed launch's error
+  if (launched == cudaSuccess) launched = last;
   cudaError_t freed = cudaSuccess;
   if constexpr (Traits::kStreamItems)
     freed = cudaFreeAsync(p.items.counter, stream);  // also after a failed launch
@@ -265,6 +311,12 @@ bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
     }
   }
   using Traits = launch_detail::DenseTraits<T, D>;
+  if constexpr (D == 128) {
+    using Pair = launch_detail::DenseClusterTraits<T, D>;
+    if (launch_detail::dense_cluster_fits(p, Pair::kBlockM))
+      return launch_detail::launch<Pair, DenseKeyRange<Pair::kBlockN>>(p, SparseKeyListArgs{},
+                                                                       stream);
+  }
   return launch_detail::launch<Traits, DenseKeyRange<Traits::kBlockN>>(p, SparseKeyListArgs{},
                                                                        stream);
 }

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cute/tensor.hpp>
+#include <cute/arch/cluster_sm90.hpp>
 #include <cutlass/arch/barrier.h>
 
 #include "sm90_fwd_epilogue.h"
@@ -110,8 +111,14 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
   Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.kv_rows, Int<D>{}, p.attn.heads_kv, p.tma_batch));
   Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.kv_rows, Int<D>{}, p.attn.heads_kv, p.tma_batch));
   auto cta_q = p.tma_q.get_slice(_0{});
-  auto cta_k = p.tma_k.get_slice(_0{});
-  auto cta_v = p.tma_v.get_slice(_0{});
+  // kClusterM > 1: this CTA's share of each K / V block, multicast to the whole cluster.
+  auto kv_slice = [](auto const& tma) {
+    if constexpr (Traits::kClusterM > 1) return tma.get_slice(cute::block_rank_in_cluster());
+    else return tma.get_slice(_0{});
+  };
+  auto cta_k = kv_slice(p.tma_k);
+  auto cta_v = kv_slice(p.tma_v);
+  constexpr uint16_t kClusterMask = (1u << Traits::kClusterM) - 1;
   // One block into slot `slot` of sX: one load, or two half loads (rows kb.start and
   // kb.start_hi of the sequence). kPrefixLoads: a key tile with fewer valid keys than rows
   // loads only its prefix (`prefix_map`: K's or V's 16-row descriptor).
@@ -134,7 +141,10 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
       Tensor gX = local_tile(domain_offset(make_coord(row, _0{}), mX(_, _, hk, tb)),
                              Shape<Int<R>, Int<D>>{}, make_coord(_0{}, _0{}));
       Tensor sX = local_tile(sX_slot, Shape<Int<R>, Int<D>>{}, make_coord(h, _0{}));
-      copy(tma.with(*full), cta.partition_S(gX), cta.partition_D(sX));
+      if constexpr (Traits::kClusterM > 1)
+        copy(tma.with(*full, kClusterMask), cta.partition_S(gX), cta.partition_D(sX));
+      else
+        copy(tma.with(*full), cta.partition_S(gX), cta.partition_D(sX));
     }
   };
   const cute::TmaDescriptor* prefix_map_k = nullptr;
@@ -223,6 +233,14 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
     st.item = -1;
     Barrier::arrive(&st.q_full);
   }
+  if constexpr (Traits::kClusterM > 1) {
+    // The other CTAs' consumers free this CTA's slots remotely: wait until every slot is
+    // free, so the CTA (and its barriers) outlives their last arrivals.
+    for (int i = 0; i < Traits::kStagesK; ++i, k_ring.advance())
+      Barrier::wait(&st.k_empty[k_ring.stage], k_ring.phase ^ 1u);
+    for (int i = 0; i < Traits::kStagesV; ++i, v_ring.advance())
+      Barrier::wait(&st.v_empty[v_ring.stage], v_ring.phase ^ 1u);
+  }
 }
 
 // Ping-pong between the warpgroups of a stream: each issues its products only in its turn
@@ -287,6 +305,16 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   };
 
   const PingPong turns(p.pingpong, tid / 128, Traits::kWGPerStream, stream);
+  // Frees a K / V slot. kClusterM > 1: every CTA of the cluster loads into it, so lane c of
+  // each warp tells CTA c (after wgmma.wait_group, which the warp runs converged).
+  auto release = [&](uint64_t* empty) {
+    if constexpr (Traits::kClusterM == 1) {
+      Barrier::arrive(empty);
+    } else {
+      const uint32_t lane = tid % 32;
+      Barrier::arrive(empty, lane < Traits::kClusterM ? lane : 0, lane < Traits::kClusterM);
+    }
+  };
   RingState<Traits::kStagesK> ring;  // K of the block whose S is next
   // V of the same block: with as many V slots as K slots it is the K position itself (one
   // register pair fewer through the loop).
@@ -379,7 +407,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     turns.pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
-    Barrier::arrive(&st.k_empty[ring.stage]);
+    release(&st.k_empty[ring.stage]);
     if (n == 1) Barrier::arrive(&st.q_empty);
     if (kb.needs_mask) apply_mask(tSrS, tScS, visit, kb, t.q0);
     softmax.template update<true>(tSrS, alpha);
@@ -403,7 +431,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       turns.pass_turn();
       warpgroup_wait<1>();  // S of block i is ready; P V of block i - 1 still runs
       warpgroup_fence_operand(tSrS);
-      Barrier::arrive(&st.k_empty[ring.stage]);
+      release(&st.k_empty[ring.stage]);
       if (i == n - 1) Barrier::arrive(&st.q_empty);
       if constexpr (kMaskMode == 1) apply_mask(tSrS, tScS, visit, b, t.q0);
       if constexpr (kMaskMode == 2)
@@ -412,7 +440,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       warpgroup_wait<0>();  // P V of block i - 1 done: O and P are free
       warpgroup_fence_operand(tOrO);
       warpgroup_fence_operand(tOrP);
-      Barrier::arrive(&st.v_empty[prev.stage]);
+      release(&st.v_empty[prev.stage]);
       // Most blocks leave every row's base in place (OnlineSoftmax::slack): no rescale.
       if (__any_sync(0xffffffffu, moved)) rescale_rows(tOrO, alpha);
       convert_p();
@@ -444,7 +472,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     turns.pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
-    Barrier::arrive(&st.v_empty[prev.stage]);
+    release(&st.v_empty[prev.stage]);
     write_output<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax, row_limit);
     hand_over(slot);
   }

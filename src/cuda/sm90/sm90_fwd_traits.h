@@ -9,6 +9,8 @@
 // 64-row query tile has its own key-tile list.
 #pragma once
 
+#include <type_traits>
+
 #include <cute/tensor.hpp>
 #include <cute/arch/copy_sm90_tma.hpp>
 #include <cute/atom/copy_traits_sm90_tma.hpp>
@@ -25,10 +27,12 @@ namespace vidattn::cuda_sm90 {
 // (StreamItems, sm90_tile_scheduler.h) instead of CTA-sized tiles by slot. kFusedCombine
 // (with kStreamItems, one 64-row warpgroup per stream): a warp of the producer warpgroup per
 // stream applies VSA's combination to each finished tile (CombineArgs) while the stream's
-// consumers compute the next one.
+// consumers compute the next one. kClusterM (dense, static schedule): CTAs of a cluster of
+// that many run query tiles of one head side by side, each TMA-loading 1 / kClusterM of
+// every K / V block into all of them (multicast), so L2 sends each block once per cluster.
 template <class Element_, int kHeadDim_, int kBlockN_, int kWGPerStream_, int kStreams_,
           int kStagesK_, int kStagesV_, bool kHalfLoads_ = false, bool kStreamItems_ = false,
-          bool kFusedCombine_ = false>
+          bool kFusedCombine_ = false, int kClusterM_ = 1>
 struct FwdTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
   static constexpr int kHeadDim = kHeadDim_;
@@ -40,6 +44,11 @@ struct FwdTraits {
   static constexpr bool kHalfLoads = kHalfLoads_;
   static constexpr bool kStreamItems = kStreamItems_;
   static constexpr bool kFusedCombine = kFusedCombine_;
+  static constexpr int kClusterM = kClusterM_;
+  // Pairs only: clusters of 4 saved more power but lost 8% of the work per clock, -3% in all
+  // (docs/perf-notes.md, Hopper v21).
+  static_assert(kClusterM == 1 || (kClusterM == 2 && !kStreamItems && !kHalfLoads),
+                "multicast K / V serves the dense static schedule, in pairs");
   // Stream items walk their key blocks from StreamItems::first_block on, so the streams in
   // flight read the same part of a head's K / V at once: +3% at Wan 720p and HunyuanVideo for
   // 64-row streams (each loads its own K / V, ~8 TB/s from L2), but -2-3% for the 128-row
@@ -123,8 +132,10 @@ struct FwdTraits {
       cute::take<0, 2>(SmemLayoutK{}),
       cute::Layout<cute::Shape<cute::Int<kLoadRows>, cute::Int<kHeadDim>>,
                    cute::Stride<cute::_1, cute::Int<kBlockN>>>{}));
-  using TmaKV = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
-                                             SmemLayoutKVLoad{}));
+  using TmaKVOp = std::conditional_t<kClusterM == 1, cute::SM90_TMA_LOAD,
+                                     cute::SM90_TMA_LOAD_MULTICAST>;
+  using TmaKV = decltype(cute::make_tma_copy(TmaKVOp{}, GmemTensor{}, SmemLayoutKVLoad{},
+                                             cute::Int<kClusterM>{}));
   // A slot's rows lie 64 elements apart within a 64-column chunk, and its chunks kBlockN * 64
   // elements apart (whole swizzle atoms down the rows first): the offsets the prefix loads
   // write to (sm90_fwd_prefix_loads.h).
