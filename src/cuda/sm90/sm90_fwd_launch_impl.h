@@ -202,6 +202,46 @@ PrefixLoadMaps make_prefix_load_maps(const AttentionParams& a, int kv_rows, int 
   return m;
 }
 
+// A launch of `grid` CTAs in clusters of Traits::kClusterM (consecutive blockIdx.x).
+// `cluster` holds the attribute the config points to.
+template <class Traits>
+cudaLaunchConfig_t cluster_launch_config(int grid, cudaStream_t stream,
+                                         cudaLaunchAttribute& cluster) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(grid);
+  config.blockDim = dim3(Traits::kThreads);
+  config.dynamicSmemBytes = Traits::kSmemBytes;
+  config.stream = stream;
+  cluster = cudaLaunchAttribute{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim.x = Traits::kClusterM;
+  cluster.val.clusterDim.y = 1;
+  cluster.val.clusterDim.z = 1;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  return config;
+}
+
+// Whether the device can run a cluster of the kernel at all (a MIG slice or an SM
+// partition might not); when it cannot, the caller takes single CTAs.
+template <class Traits, class Kernel>
+bool clusters_fit(Kernel kernel) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           Traits::kSmemBytes) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  cudaLaunchAttribute cluster;
+  const cudaLaunchConfig_t config =
+      cluster_launch_config<Traits>(Traits::kClusterM, nullptr, cluster);
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return clusters > 0;
+}
+
 template <class Traits, class Visit>
 bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStream_t stream,
             const CombineArgs* combine = nullptr) {
@@ -209,6 +249,10 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   auto kernel = sm90_attention_fwd_kernel<Traits, Visit>;
   static const bool available = has_sm90a_code(kernel);
   if (!available) return false;
+  if constexpr (Traits::kClusterM > 1) {
+    static const bool fit = clusters_fit<Traits>(kernel);
+    if (!fit) return false;
+  }
   if (a.batch == 0 || a.seqlen_q == 0) return true;
 
   FwdKernelParams<Traits> p;
@@ -261,20 +305,10 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   }
   cudaError_t launched = cudaSuccess;
   if constexpr (Traits::kClusterM > 1) {
-    // Clusters of kClusterM consecutive CTAs: the tiles of consecutive slots (the caller
-    // checks that they share a head and a key range; see dense_cluster_fits).
-    cudaLaunchConfig_t config{};
-    config.gridDim = dim3(grid);
-    config.blockDim = dim3(Traits::kThreads);
-    config.dynamicSmemBytes = Traits::kSmemBytes;
-    config.stream = stream;
-    cudaLaunchAttribute cluster{};
-    cluster.id = cudaLaunchAttributeClusterDimension;
-    cluster.val.clusterDim.x = Traits::kClusterM;
-    cluster.val.clusterDim.y = 1;
-    cluster.val.clusterDim.z = 1;
-    config.attrs = &cluster;
-    config.numAttrs = 1;
+    // The tiles of consecutive slots (the caller checks that they share a head and a key
+    // range; see dense_cluster_fits).
+    cudaLaunchAttribute cluster;
+    const cudaLaunchConfig_t config = cluster_launch_config<Traits>(grid, stream, cluster);
     launched = cudaLaunchKernelEx(&config, kernel, p);
   } else {
     kernel<<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(p);
@@ -312,10 +346,12 @@ bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
   }
   using Traits = launch_detail::DenseTraits<T, D>;
   if constexpr (D == 128) {
+    // Single CTAs when the pairs do not fit the problem or the device.
     using Pair = launch_detail::DenseClusterTraits<T, D>;
-    if (launch_detail::dense_cluster_fits(p, Pair::kBlockM))
-      return launch_detail::launch<Pair, DenseKeyRange<Pair::kBlockN>>(p, SparseKeyListArgs{},
-                                                                       stream);
+    if (launch_detail::dense_cluster_fits(p, Pair::kBlockM) &&
+        launch_detail::launch<Pair, DenseKeyRange<Pair::kBlockN>>(p, SparseKeyListArgs{},
+                                                                  stream))
+      return true;
   }
   return launch_detail::launch<Traits, DenseKeyRange<Traits::kBlockN>>(p, SparseKeyListArgs{},
                                                                        stream);
