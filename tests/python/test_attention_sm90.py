@@ -181,21 +181,23 @@ def test_disable_env_keeps_the_portable_path():
 
 
 # Dense D = 128 problems with an even number of 128-row query blocks run in CTA pairs that
-# share each K / V load (TMA multicast); odd counts, causal, varlen and key masks on single
-# CTAs. B, Sq, Sk, Hq, Hkv, dtype: partial last query and key blocks, GQA, q != kv length.
-PAIR_SHAPES = [(2, 200, 333, 4, 2, torch.bfloat16), (1, 1000, 1000, 3, 3, torch.float16),
-               (3, 256, 4100, 2, 1, torch.bfloat16), (1, 4096, 77, 2, 2, torch.float16)]
+# share each K / V load (TMA multicast); odd counts, causal, varlen, key masks and D = 64 (the
+# last two rows: the 192-row tile) on single CTAs. B, Sq, Sk, Hq, Hkv, D, dtype: partial last
+# query and key blocks, GQA, q != kv length.
+PAIR_SHAPES = [(2, 200, 333, 4, 2, 128, torch.bfloat16), (1, 1000, 1000, 3, 3, 128, torch.float16),
+               (3, 256, 4100, 2, 1, 128, torch.bfloat16), (1, 4096, 77, 2, 2, 128, torch.float16),
+               (1, 700, 8300, 4, 2, 64, torch.bfloat16), (2, 384, 8192, 2, 2, 64, torch.float16)]
 
 
-@pytest.mark.parametrize("shape", PAIR_SHAPES, ids=lambda c: "B{}_Sq{}_Sk{}_H{}x{}_{}".format(
-    *c[:5], str(c[5])[6:]))
+@pytest.mark.parametrize("shape", PAIR_SHAPES, ids=lambda c: "B{}_Sq{}_Sk{}_H{}x{}_D{}_{}".format(
+    *c[:6], str(c[6])[6:]))
 def test_sm90_cta_pairs_match_reference(shape):
-    B, Sq, Sk, Hq, Hkv, dtype = shape
+    B, Sq, Sk, Hq, Hkv, D, dtype = shape
     seed = zlib.crc32(repr(shape).encode())
     g = gen(seed)
-    q = randn((B, Sq, Hq, 128), dtype, g, 4.0)
-    k = randn((B, Sk, Hkv, 128), dtype, g, 4.0)
-    v = randn((B, Sk, Hkv, 128), dtype, g)
+    q = randn((B, Sq, Hq, D), dtype, g, 4.0)
+    k = randn((B, Sk, Hkv, D), dtype, g, 4.0)
+    v = randn((B, Sk, Hkv, D), dtype, g)
     takes_sm90(lambda: run_and_check(q, k, v, seed=seed, check_grads=False))
 
 
@@ -205,12 +207,12 @@ def test_sm90_cta_pairs_give_the_bits_of_single_ctas(tmp_path):
     a block, or read a slot its partner had not filled, would not give them)."""
     code = (
         "import sys, torch, vidattn\n"
-        f"shapes = {[(b, sq, sk, hq, hkv, str(dt)) for b, sq, sk, hq, hkv, dt in PAIR_SHAPES]!r}\n"
+        f"shapes = {[c[:6] + (str(c[6]),) for c in PAIR_SHAPES]!r}\n"
         "outs = []\n"
-        "for i, (b, sq, sk, hq, hkv, dt) in enumerate(shapes):\n"
+        "for i, (b, sq, sk, hq, hkv, d, dt) in enumerate(shapes):\n"
         "    g = torch.Generator(device='cuda').manual_seed(i)\n"
         "    dt = getattr(torch, dt.split('.')[1])\n"
-        "    q, k, v = (torch.randn(b, s, h, 128, generator=g, device='cuda', dtype=dt)\n"
+        "    q, k, v = (torch.randn(b, s, h, d, generator=g, device='cuda', dtype=dt)\n"
         "               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))\n"
         "    outs += list(vidattn.attention(q, k, v, return_lse=True))\n"
         "torch.save([o.cpu() for o in outs], sys.argv[1])\n")

@@ -36,9 +36,10 @@ using DenseTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2>;
 // two warpgroups leave the tensor cores idle half the time; a third fills more of it
 // (+10-13% at 8K-32K keys). Short key loops (4K) and D = 128 (whose output accumulator does
 // not fit three warpgroups' registers) stay on two (docs/perf-notes.md, Hopper v14).
-// Dense in CTA pairs sharing every K / V load (TMA multicast): L2 sends each block once per
-// two query tiles. Under the H200's power cap, moving bytes out of L2 costs clock
-// (docs/perf-notes.md, Hopper v21).
+// Dense D = 128 in CTA pairs sharing every K / V load (TMA multicast): L2 sends each block
+// once per two query tiles. Under the H200's power cap, moving bytes out of L2 costs clock
+// (docs/perf-notes.md, Hopper v21). D = 64 on the 192-row tile, whose softmax rather than
+// power limits it, lost 4% at 2 x 16384 x 32 in pairs and stays on single CTAs.
 template <class T, int D>
 using DenseClusterTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2, false, false, false, 2>;
 template <class T>

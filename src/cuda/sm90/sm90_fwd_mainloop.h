@@ -2,7 +2,9 @@
 //  * producer: one thread per stream issues the TMA loads of Q and of each visited K / V
 //    block into rings of kStagesK / kStagesV slots (a block is one load, or two of half its
 //    rows from two places: kHalfLoads); full barriers count the bytes landed (expect_tx),
-//    empty barriers the consumer threads that are done reading a slot.
+//    empty barriers the consumer threads that are done reading a slot. In a cluster
+//    (kClusterM > 1) each producer loads its share of every block into all the cluster's
+//    CTAs, and a slot is free once every CTA's consumer warps have said so.
 //  * consumers: each warpgroup owns 64 query rows. Per key block: S = Q K^T (wgmma SS), mask
 //    (only blocks that need it), online softmax, O += P V (wgmma RS, P straight from
 //    registers). The softmax of block i overlaps the P V product of block i - 1: the QK^T
