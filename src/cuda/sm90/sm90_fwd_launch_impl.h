@@ -30,18 +30,19 @@ using CutlassElement =
 // slower once the unmasked blocks ran without mask code (docs/perf-notes.md, Hopper v11).
 template <class T, int D>
 using DenseTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2>;
+// Dense D = 128 in CTA pairs sharing every K / V load (TMA multicast): L2 sends each block
+// once per two query tiles. Under the H200's power cap, moving bytes out of L2 costs clock
+// (docs/perf-notes.md, Hopper v21). D = 64 on the 192-row tile, whose softmax rather than
+// power limits it, lost 4% at 2 x 16384 x 32 in pairs and stays on single CTAs.
+template <class T, int D>
+using DenseClusterTraits =
+    FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2, false, false, false, 2>;
 // D = 64 with long key loops: a 192-row stream of three warpgroups (160 registers each).
 // At D = 64 a warpgroup's softmax of a 64 x 128 block takes several times as long as its two
 // products (a latency chain, not a full pipe: ncu shows MUFU ~47% and issue ~42% busy), so
 // two warpgroups leave the tensor cores idle half the time; a third fills more of it
 // (+10-13% at 8K-32K keys). Short key loops (4K) and D = 128 (whose output accumulator does
 // not fit three warpgroups' registers) stay on two (docs/perf-notes.md, Hopper v14).
-// Dense D = 128 in CTA pairs sharing every K / V load (TMA multicast): L2 sends each block
-// once per two query tiles. Under the H200's power cap, moving bytes out of L2 costs clock
-// (docs/perf-notes.md, Hopper v21). D = 64 on the 192-row tile, whose softmax rather than
-// power limits it, lost 4% at 2 x 16384 x 32 in pairs and stays on single CTAs.
-template <class T, int D>
-using DenseClusterTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2, false, false, false, 2>;
 template <class T>
 using Dense64WideTraits = FwdTraits<CutlassElement<T>, 64, 128, 3, 1, 2, 2>;
 inline constexpr std::int64_t kDense64WideMinKeys = 8192;
@@ -137,8 +138,9 @@ inline bool dense_cluster_enabled() {
 }
 
 // Whether the dense problem runs in CTA pairs: the two tiles of a pair (consecutive slots of
-// the one-CTA-per-tile grid) must belong to one head and visit the same key blocks, so: not
-// causal, not varlen, no key mask, an even number of query blocks per head.
+// the one-CTA-per-tile grid, so no sm_margin or forced persistent grid) must belong to one
+// head and visit the same key blocks, so: not causal, not varlen, no key mask, an even number
+// of query blocks per head.
 inline bool dense_cluster_fits(const AttentionParams& a, int block_m) {
   return dense_cluster_enabled() && !a.causal && !a.varlen && a.key_mask == nullptr &&
          a.sm_margin <= 0 && !persistent_grid_forced() &&
