@@ -129,10 +129,12 @@ PRESETS: dict[str, Preset] = {
         for sparsity in (0.875, 0.9)) + (block_sparse(1, 12, 32768, 128, 0.875),),
         dtypes=("bf16",), about="block-sparse fwd+bwd vs FlexAttention and FastVideo (GPU)"),
     # Issue #4's side-by-side run: dense, block-sparse and the whole VSA op at the shapes of
-    # vsa.md section 6 (plus targets.md's S=32768 H12 peer shape), each case against its peers.
+    # vsa.md section 6 (plus targets.md's peer shapes: S=32768 H12 D128, and B2 H32 S16384
+    # D64 for issue #5's D = 64 target), each case against its peers.
     "gpu-suite": Preset(
         (dense(1, 12, 39936, 128, "Wan2.1-1.3B 480p"), dense(1, 40, 92160, 128, "Wan2.1-14B 720p"),
-         dense(1, 24, 115200, 128, "HunyuanVideo 720p"), dense(1, 12, 32768, 128))
+         dense(1, 24, 115200, 128, "HunyuanVideo 720p"), dense(1, 12, 32768, 128),
+         dense(2, 32, 16384, 64))
         + tuple(block_sparse(1, heads, seq, 128, sparsity, name)
                 for heads, seq, name in ((12, 39936, "Wan2.1-1.3B 480p"),
                                          (40, 92160, "Wan2.1-14B 720p"))
