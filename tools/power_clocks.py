@@ -22,6 +22,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import vidattn
 from vidattn.bench.clocks import ClockSampler
 
+from report_text import emit  # tools/report_text.py
+
 
 def sampled(fn, seconds, sampler):
     """Runs fn back to back for `seconds` (after 1 s idle) while `sampler` runs; returns the
@@ -40,6 +42,50 @@ def sampled(fn, seconds, sampler):
     torch.cuda.synchronize()
     late = [a.elapsed_time(b) for t, a, b in events if t >= seconds / 2]
     return statistics.median(late), sampler.window(t0 + seconds / 2, time.monotonic())
+
+
+def tflop_rate(flops):
+    """A workload's rate text for `measure`: TFLOP/s of `flops` per call, and per GHz of the
+    SM clock when it was sampled."""
+    def rate(ms, mhz):
+        tflops = flops / ms / 1e9
+        return f"{tflops:7.1f} TFLOP/s" + (f", {tflops / mhz * 1e3:6.1f} TFLOP/s per GHz"
+                                           if mhz else "")
+    return rate
+
+
+def no_rate(ms, mhz):
+    return ""
+
+
+def measure(work, seconds, tool):
+    """Runs each (name, fn, rate) of `work` back to back for `seconds` (`sampled`) and returns
+    the report's lines: median call time, SM clock, board power, `rate(ms, mhz)` and the
+    clock-limit reasons of each. Exits when NVML is not there (`tool` names the script)."""
+    sampler = ClockSampler.for_device(torch.device("cuda", torch.cuda.current_device()))
+    if sampler is None:
+        sys.exit(f"{tool}: NVML (libnvidia-ml) is not available")
+    width = max(len(name) for name, _, _ in work)
+    lines = [f"== {torch.cuda.get_device_name()}: back to back for {seconds} s each, "
+             "medians over the second half"]
+    sampler.start()
+    try:
+        with torch.no_grad():
+            for name, fn, rate in work:
+                fn()
+                torch.cuda.synchronize()
+                ms, seen = sampled(fn, seconds, sampler)
+                if seen is None:
+                    lines.append(f"  {name:{width}s} {ms:8.3f} ms  {rate(ms, None)}  "
+                                 "(no clock samples)")
+                    continue
+                clock = seen["sm_mhz_median"]
+                lines.append(f"  {name:{width}s} {ms:8.3f} ms  SM {clock:6.0f} MHz  "
+                             f"{seen['power_w_median']:5.0f} W  {rate(ms, clock)}  "
+                             f"limits {seen['reasons']}")
+    finally:
+        sampler.stop()
+    return lines
 
 
 def main() -> None:
@@ -63,40 +109,14 @@ def main() -> None:
                 return F.scaled_dot_product_attention(qt, kt, vt)
 
         work.append((f"vidattn dense {seq}x{heads}", lambda q=q, k=k, v=v:
-                     vidattn.attention(q, k, v), flops))
-        work.append((f"cuDNN dense {seq}x{heads}", cudnn, flops))
+                     vidattn.attention(q, k, v), tflop_rate(flops)))
+        work.append((f"cuDNN dense {seq}x{heads}", cudnn, tflop_rate(flops)))
     tiling = vidattn.VideoTiling(grid=(21, 30, 52), tile=(4, 4, 4), device="cuda")
     tq, tk, tv = (tiling.tile(randn(1, tiling.num_tokens, 12, 128)) for _ in range(3))
     work.append(("vidattn VSA 480p (sparsity 0.9)", lambda: vidattn.video_sparse_attention(
-        tq, tk, tv, tiling=tiling, sparsity=0.9), None))
+        tq, tk, tv, tiling=tiling, sparsity=0.9), no_rate))
 
-    sampler = ClockSampler.for_device(torch.device("cuda", torch.cuda.current_device()))
-    if sampler is None:
-        sys.exit("power_clocks: NVML (libnvidia-ml) is not available")
-    lines = [f"== {torch.cuda.get_device_name()}: back to back for {args.seconds} s each, "
-             "medians over the second half"]
-    sampler.start()
-    try:
-        with torch.no_grad():
-            for name, fn, flops in work:
-                fn()
-                torch.cuda.synchronize()
-                ms, seen = sampled(fn, args.seconds, sampler)
-                if seen is None:
-                    lines.append(f"  {name:34s} {ms:8.3f} ms  (no clock samples)")
-                    continue
-                clock = seen["sm_mhz_median"]
-                rate = (f"{flops / ms / 1e9:7.1f} TFLOP/s, "
-                        f"{flops / ms / 1e9 / clock * 1e3:6.1f} TFLOP/s per GHz" if flops else "")
-                lines.append(f"  {name:34s} {ms:8.3f} ms  SM {clock:6.0f} MHz  "
-                             f"{seen['power_w_median']:5.0f} W  {rate}  limits {seen['reasons']}")
-    finally:
-        sampler.stop()
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(measure(work, args.seconds, "power_clocks"), args.out)
 
 
 if __name__ == "__main__":

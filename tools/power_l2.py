@@ -12,18 +12,14 @@ read loop over an L2-resident buffer (ld.global.cg) and over an HBM-sized one; a
 Not a test; a diagnostic.
 """
 import argparse
-import os
-import statistics
-import sys
 import time
 
 import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from power_clocks import sampled  # noqa: E402
-from vidattn.bench.clocks import ClockSampler  # noqa: E402
+from power_clocks import measure, no_rate, tflop_rate
+from report_text import emit
 
 BLOCK = 4096  # fp32 per chunk: 16 KB, 16 values (four 16-byte loads) per thread of 8 warps
 
@@ -57,40 +53,13 @@ def main() -> None:
     args = p.parse_args()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    work = [("idle (sleep 1 ms)", lambda: time.sleep(1e-3), None, None)]
+    work = [("idle (sleep 1 ms)", lambda: time.sleep(1e-3), no_rate)]
     for mb, passes in ((16, 64), (24, 48), (4096, 1)):
         fn, nbytes = read_workload(mb, passes)
-        work.append((f"read {mb} MB x {passes}", fn, nbytes, None))
-    work.append(("bf16 GEMM 8192^3", lambda: a @ b, None, 2 * 8192**3))
-
-    sampler = ClockSampler.for_device(torch.device("cuda", torch.cuda.current_device()))
-    if sampler is None:
-        sys.exit("power_l2: NVML (libnvidia-ml) is not available")
-    lines = [f"== {torch.cuda.get_device_name()}: back to back for {args.seconds} s each, "
-             "medians over the second half"]
-    sampler.start()
-    try:
-        for name, fn, nbytes, flops in work:
-            fn()
-            torch.cuda.synchronize()
-            ms, seen = sampled(fn, args.seconds, sampler)
-            rate = ""
-            if nbytes:
-                rate = f"{nbytes / ms / 1e9:6.2f} TB/s"
-            if flops:
-                rate = f"{flops / ms / 1e9:6.1f} TFLOP/s"
-            if seen is None:
-                lines.append(f"  {name:22s} {ms:8.3f} ms  {rate}  (no clock samples)")
-                continue
-            lines.append(f"  {name:22s} {ms:8.3f} ms  {rate:>14s}  SM {seen['sm_mhz_median']:5.0f}"
-                         f" MHz  {seen['power_w_median']:5.0f} W  limits {seen['reasons']}")
-    finally:
-        sampler.stop()
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+        work.append((f"read {mb} MB x {passes}", fn,
+                     lambda ms, mhz, nbytes=nbytes: f"{nbytes / ms / 1e9:6.2f} TB/s"))
+    work.append(("bf16 GEMM 8192^3", lambda: a @ b, tflop_rate(2 * 8192**3)))
+    emit(measure(work, args.seconds, "power_l2"), args.out)
 
 
 if __name__ == "__main__":

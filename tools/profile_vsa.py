@@ -17,6 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 
 import vidattn
 
+from report_text import emit  # tools/report_text.py
+
 
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -65,11 +67,7 @@ def main() -> None:
                 lines.append(f"  {e.device_time_total / args.iters / 1e3:8.3f} ms "
                              f"{100 * e.device_time_total / total:5.1f}%  x{e.count // args.iters}"
                              f"  {e.key[:110]}")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

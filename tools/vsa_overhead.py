@@ -30,6 +30,8 @@ from torch.profiler import ProfilerActivity, profile
 import vidattn
 from vidattn.bench.timing import CudaTimer
 
+from report_text import emit  # tools/report_text.py
+
 
 def events_median(fn, reps=30):
     """Median of CUDA-event times around fn, calls back to back (warm L2): the bench's timer
@@ -172,11 +174,7 @@ def main() -> None:
             lines.append(f"timeline, {label} (one call per row):")
             lines += ["  " + r for r in rows]
             lines += ["  kernel: " + n for n in names]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":
