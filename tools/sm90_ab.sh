@@ -1,14 +1,20 @@
 #!/usr/bin/env bash
-# A/B runs of kernel switches on one GPU: tools/bench_dense_cuda.py, vidattn's forward only
-# (dense rows and the sm_90a block-sparse rows), once per setting and round, the settings
-# alternating within each round so that clock and thermal drift reach all of them alike.
+# A/B runs of kernel switches on one GPU, once per setting and round, the settings alternating
+# within each round so that clock and thermal drift reach all of them alike.
 #   OUT=dir ROUNDS=2 bash tools/sm90_ab.sh "-" "VIDATTN_SM90_HD128_BLOCKN=176" ...
-# A setting is "-" (no variable) or space-separated VAR=value pairs. Writes
-# $OUT/ab_<setting index>_<round>.json and prints every row's TFLOP/s per setting and round.
+#   AB_TOOL=power SECONDS_EACH=3 bash tools/sm90_ab.sh "-" "VIDATTN_SM90_CLUSTER=0"
+# A setting is "-" (no variable) or space-separated VAR=value pairs.
+#  * AB_TOOL=bench (default): tools/bench_dense_cuda.py, vidattn's forward only (dense rows
+#    and the sm_90a block-sparse rows); writes $OUT/ab_<setting index>_<round>.json and
+#    prints every row's TFLOP/s per setting and round.
+#  * AB_TOOL=power: tools/power_clocks.py (each workload back to back at the power cap:
+#    call time, SM clock, board power); writes $OUT/power_<setting index>_<round>.txt and
+#    prints each as it comes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(pwd)/ab-run}
 ROUNDS=${ROUNDS:-2}
+AB_TOOL=${AB_TOOL:-bench}
 mkdir -p "$OUT"
 settings=("$@")
 for ((r = 1; r <= ROUNDS; ++r)); do
@@ -16,10 +22,20 @@ for ((r = 1; r <= ROUNDS; ++r)); do
     s=${settings[$i]}
     [[ $s == "-" ]] && s=""
     # shellcheck disable=SC2086  # the setting is a list of VAR=value words
-    env BENCH_OURS_ONLY=1 $s timeout "${AB_TIMEOUT:-90}" python3 tools/bench_dense_cuda.py \
-      "$OUT/ab_${i}_${r}.json" >"$OUT/ab_${i}_${r}.log" 2>&1 || echo "setting $i round $r failed"
+    if [[ $AB_TOOL == power ]]; then
+      env $s timeout "${AB_TIMEOUT:-120}" python3 tools/power_clocks.py \
+        --seconds "${SECONDS_EACH:-3}" --out "$OUT/power_${i}_${r}.txt" >/dev/null \
+        2>"$OUT/power_${i}_${r}.err" ||
+        echo "setting $i round $r failed: $(tail -1 "$OUT/power_${i}_${r}.err")"
+      echo "## setting '${settings[$i]}', round $r"
+      cat "$OUT/power_${i}_${r}.txt" 2>/dev/null
+    else
+      env BENCH_OURS_ONLY=1 $s timeout "${AB_TIMEOUT:-90}" python3 tools/bench_dense_cuda.py \
+        "$OUT/ab_${i}_${r}.json" >"$OUT/ab_${i}_${r}.log" 2>&1 || echo "setting $i round $r failed"
+    fi
   done
 done
+[[ $AB_TOOL == power ]] && exit 0
 python3 - "$OUT" "$ROUNDS" "${settings[@]}" <<'EOF'
 import json, os, sys
 out, rounds, settings = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
