@@ -20,7 +20,7 @@ if(_torch_info_len GREATER 3)
 endif()
 message(STATUS "vidattn: building the op library against torch ${VIDATTN_TORCH_VERSION} in ${VIDATTN_TORCH_DIR}")
 
-add_library(vidattn_torch MODULE torch/ops.cpp torch/rope_ops.cpp torch/vsa_ops.cpp
+add_library(vidattn_torch MODULE torch/ops.cpp torch/cuda_workspace.cpp torch/rope_ops.cpp torch/vsa_ops.cpp
   torch/vsa_combine_ops.cpp)
 target_include_directories(vidattn_torch SYSTEM PRIVATE
   ${VIDATTN_TORCH_DIR}/include

@@ -1,44 +1,92 @@
-"""Dense forward with key padding masks against the same problem unmasked (on sm_90a: the
-key-mask kernel instance against the unmasked one), median of triton.testing.do_bench:
-  * the Wan 480p tiled tensors with the tiling's slot mask on keys and queries (what the VSA
-    bench's vidattn-dense row runs);
+"""Dense forward with padding masks against the same problem unmasked and against cuDNN (PyTorch
+SDPA, unmasked, on contiguous [B, H, S, D] copies made once), median of triton.testing.do_bench:
+  * the Wan 480p and 720p tiled tensors with the tiling's slot mask on keys and queries (what
+    the VSA bench's vidattn-dense row runs), and on keys only;
   * 2 x 16384 keys with padded suffixes (15000 and 12001 keys kept).
-TFLOP/s count every slot, so masked and unmasked rows compare directly.
-    python3 tools/bench_key_mask_cuda.py"""
+On sm_90a the non-causal masked rows run packed as varlen (VIDATTN_SM90_PACK_PADDING=0: the
+key-mask kernel instance). TFLOP/s count every slot, so all rows of a shape compare directly.
+"after sync": the median of single calls each started after torch.cuda.synchronize().
+    python3 tools/bench_key_mask_cuda.py [--grids 480p,720p] [--no-suffix]"""
+import argparse
+
 import torch
 import triton.testing
 
 import vidattn
 
+GRIDS = {"480p": ((21, 30, 52), 12), "720p": ((21, 45, 80), 40)}
+
 
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--grids", default="480p", help="comma list of " + ", ".join(GRIDS))
+    ap.add_argument("--no-suffix", action="store_true", help="skip the 2 x 16384 rows")
+    args = ap.parse_args()
     g = torch.Generator(device="cuda")
     g.manual_seed(0)
 
     def rnd(*shape):
         return torch.randn(shape, generator=g, device="cuda", dtype=torch.bfloat16)
 
-    tiling = vidattn.VideoTiling(grid=(21, 30, 52), tile=(4, 4, 4), device="cuda")
-    S, H, D = tiling.padded_len, 12, 128
-    q, k, v = rnd(1, S, H, D), rnd(1, S, H, D), rnd(1, S, H, D)
-    slots = tiling.slot_valid.view(1, -1)
-    cases = [("480p slot mask", 4 * H * S * S * D, lambda: vidattn.attention(
-                  q, k, v, key_padding_mask=slots, query_padding_mask=slots)),
-             ("480p unmasked", 4 * H * S * S * D, lambda: vidattn.attention(q, k, v))]
+    def cudnn(q, k, v):
+        qh, kh, vh = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        backend = torch.nn.attention.SDPBackend.CUDNN_ATTENTION
 
-    B, S2, H2 = 2, 16384, 16
-    q2, k2, v2 = rnd(B, S2, H2, D), rnd(B, S2, H2, D), rnd(B, S2, H2, D)
-    suffix = torch.zeros(B, S2, dtype=torch.bool, device="cuda")
-    suffix[0, :15000] = True
-    suffix[1, :12001] = True
-    flops = 4 * B * H2 * S2 * S2 * D
-    cases += [("2x16384 suffix-padded keys", flops,
-               lambda: vidattn.attention(q2, k2, v2, key_padding_mask=suffix)),
-              ("2x16384 unmasked", flops, lambda: vidattn.attention(q2, k2, v2))]
+        def run():
+            with torch.nn.attention.sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh)
+        return run
 
+    D = 128
+    cases = []
+    for name in [n for n in args.grids.split(",") if n]:
+        grid, H = GRIDS[name]
+        tiling = vidattn.VideoTiling(grid=grid, tile=(4, 4, 4), device="cuda")
+        S = tiling.padded_len
+        q, k, v = rnd(1, S, H, D), rnd(1, S, H, D), rnd(1, S, H, D)
+        slots = tiling.slot_valid.view(1, -1)
+        flops = 4 * H * S * S * D
+        cases += [
+            (f"{name} slot mask", flops, lambda q=q, k=k, v=v, m=slots: vidattn.attention(
+                q, k, v, key_padding_mask=m, query_padding_mask=m)),
+            (f"{name} slot mask, keys only", flops, lambda q=q, k=k, v=v, m=slots:
+                vidattn.attention(q, k, v, key_padding_mask=m)),
+            (f"{name} unmasked", flops, lambda q=q, k=k, v=v: vidattn.attention(q, k, v)),
+            (f"{name} cuDNN unmasked", flops, cudnn(q, k, v)),
+        ]
+
+    if not args.no_suffix:
+        B, S2, H2 = 2, 16384, 16
+        q2, k2, v2 = rnd(B, S2, H2, D), rnd(B, S2, H2, D), rnd(B, S2, H2, D)
+        suffix = torch.zeros(B, S2, dtype=torch.bool, device="cuda")
+        suffix[0, :15000] = True
+        suffix[1, :12001] = True
+        flops = 4 * B * H2 * S2 * S2 * D
+        cases += [("2x16384 suffix-padded keys", flops,
+                   lambda: vidattn.attention(q2, k2, v2, key_padding_mask=suffix)),
+                  ("2x16384 unmasked", flops, lambda: vidattn.attention(q2, k2, v2)),
+                  ("2x16384 cuDNN unmasked", flops, cudnn(q2, k2, v2))]
+
+    def after_sync(run, calls=7):
+        """Median time of one call that starts on an idle, synchronised device: what a
+        stream-ordered workspace costs when the pool has handed its memory back."""
+        times = []
+        for _ in range(calls):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            run()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    print(f"{'':30} {'do_bench':>12} {'':15} {'after sync':>12}")
     for name, flops, run in cases:
         ms = triton.testing.do_bench(run, return_mode="median")
-        print(f"{name:28} {ms:8.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+        synced = after_sync(run)
+        print(f"{name:30} {ms:9.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s {synced:9.3f} ms",
+              flush=True)
 
 
 if __name__ == "__main__":

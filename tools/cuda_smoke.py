@@ -22,6 +22,9 @@ def main() -> None:
             qmask = torch.rand((2, 70), generator=g, device="cuda") > 0.2
             out = vidattn.attention(q, k, v, causal=True, key_padding_mask=kmask, query_padding_mask=qmask)
             results += [out] + list(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+            # Not causal: on sm_90 the padding runs packed as varlen (gathers, scatter).
+            out = vidattn.attention(q, k, v, key_padding_mask=kmask, query_padding_mask=qmask)
+            results += [out] + list(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
             cu_q = torch.tensor([0, 10, 10, 75], dtype=torch.int32, device="cuda")
             cu_k = torch.tensor([0, 5, 37, 100], dtype=torch.int32, device="cuda")
             qv, kv, vv = rnd(75, 4, D, dtype=dtype), rnd(100, 2, D, dtype=dtype), rnd(100, 2, D, dtype=dtype)

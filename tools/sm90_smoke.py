@@ -39,7 +39,13 @@ def main() -> int:
     # instance's flag loads end inside a lane's four keys.
     q, k = rnd(2, 300, 4, 128), rnd(2, 1283, 2, 128)
     kmask = (torch.rand((2, 1284), generator=g, device="cuda") > 0.4)[:, 1:]
+    results.append(vidattn.attention(q, k, k, key_padding_mask=kmask, causal=True))
+    # Not causal, the padding runs packed as varlen: q and out in place, then with a query
+    # mask on [B, H, S, D] views (q gathered too, the output scattered back).
     results.append(vidattn.attention(q, k, k, key_padding_mask=kmask))
+    qt, kt = rnd(2, 4, 300, 128).transpose(1, 2), rnd(2, 2, 1283, 128).transpose(1, 2)
+    qmask = torch.rand((2, 300), generator=g, device="cuda") > 0.2
+    results.append(vidattn.attention(qt, kt, kt, key_padding_mask=kmask, query_padding_mask=qmask))
     for tile in (64, 128):
         tiles = 6
         q = rnd(1, tiles * tile, 4, 128)

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "vidattn/attention.h"
+#include "vidattn/cuda_workspace.h"
 #include "vidattn/error.h"
 #include "vidattn/rope.h"
 #include "vidattn/tensor_view.h"

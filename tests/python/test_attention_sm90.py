@@ -127,6 +127,121 @@ def test_sm90_key_padding_mask(Sq, Sk, D, causal, layout):
                                      seed=95, check_grads=False))
 
 
+# Non-causal key padding runs packed as varlen: the valid keys (and, with a query mask, the
+# valid queries) are gathered into packed buffers, the unmasked kernel runs on them and the
+# output is scattered back. B, Sq, Sk, Hq, Hkv, D, dtype, query mask, layout. "bhsd": q, k, v
+# are [B, H, S, D] tensors seen as [B, S, H, D] (q and out are packed too, since their
+# sequences' rows do not follow each other); "contiguous" without a query mask writes out in
+# place. Sequence 1 has no valid key, sequence 2 a single one, and with a query mask sequence
+# 0 has no valid query; D = 64 past 8192 keys takes the 192-row tile.
+PACKED_CASES = [
+    (3, 700, 1001, 4, 2, 128, torch.bfloat16, True, "contiguous"),
+    (2, 1100, 1300, 8, 8, 128, torch.float16, False, "contiguous"),
+    (1, 513, 1283, 6, 3, 64, torch.bfloat16, False, "contiguous"),
+    (2, 400, 8303, 4, 2, 64, torch.bfloat16, False, "bhsd"),
+    (3, 300, 999, 4, 4, 64, torch.float16, True, "bhsd"),
+    (3, 129, 65, 2, 1, 128, torch.bfloat16, True, "bhsd"),
+]
+
+
+def packed_case_inputs(case, g):
+    B, Sq, Sk, Hq, Hkv, D, dtype, with_qmask, layout = case
+    if layout == "bhsd":
+        q, k, v = (randn((B, h, s, D), dtype, g, sc).transpose(1, 2)
+                   for h, s, sc in ((Hq, Sq, 4.0), (Hkv, Sk, 4.0), (Hkv, Sk, 1.0)))
+    else:
+        q = randn((B, Sq, Hq, D), dtype, g, 4.0)
+        k = randn((B, Sk, Hkv, D), dtype, g, 4.0)
+        v = randn((B, Sk, Hkv, D), dtype, g)
+    kmask = torch.rand((B, Sk), generator=g, device=DEV) > 0.3
+    if B > 1:
+        kmask[1] = False
+    if B > 2:
+        kmask[2] = False
+        kmask[2, Sk // 2] = True
+    qmask = None
+    if with_qmask:
+        qmask = torch.rand((B, Sq), generator=g, device=DEV) > 0.2
+        qmask[0] = False
+    return q, k, v, kmask, qmask
+
+
+def packed_case_id(c):
+    return "B{}_Sq{}_Sk{}_H{}x{}_D{}_{}_{}_{}".format(
+        *c[:6], str(c[6])[6:], "qmask" if c[7] else "noqmask", c[8])
+
+
+@pytest.mark.parametrize("case", PACKED_CASES, ids=packed_case_id)
+def test_sm90_key_padding_packed_matches_reference(case):
+    g = gen(zlib.crc32(repr(case).encode()))
+    q, k, v, kmask, qmask = packed_case_inputs(case, g)
+    takes_sm90(lambda: run_and_check(q, k, v, kmask=kmask, qmask=qmask, seed=96,
+                                     check_grads=False, clone_inputs=False))
+
+
+@pytest.mark.parametrize("case", [PACKED_CASES[0], PACKED_CASES[3]],
+                         ids=["qmask_contiguous", "noqmask_bhsd"])
+def test_sm90_key_padding_packed_never_reads_padded_rows(case):
+    """NaN in every padded key, value and query row changes no bit of the output or LSE: the
+    packed path reads valid rows only (the masked kernel would multiply the padded values by
+    their zero probabilities, and 0 * NaN is NaN)."""
+    g = gen(zlib.crc32(repr(("nan", case)).encode()))
+    q, k, v, kmask, qmask = packed_case_inputs(case, g)
+    clean = vidattn.attention(q, k, v, key_padding_mask=kmask, query_padding_mask=qmask,
+                              return_lse=True)
+    qn, kn, vn = (t.clone() for t in (q, k, v))
+    kn[~kmask] = float("nan")
+    vn[~kmask] = float("nan")
+    if qmask is not None:
+        qn[~qmask] = float("nan")
+    poisoned = vidattn.attention(qn, kn, vn, key_padding_mask=kmask, query_padding_mask=qmask,
+                                 return_lse=True)
+    for c, p in zip(clean, poisoned):
+        assert c.isfinite().any()
+        assert torch.equal(c, p)
+
+
+def test_sm90_packed_padding_workspace_comes_from_torch():
+    """The op library installs PyTorch's caching allocator as vidattn's CUDA workspace
+    allocator: the packed copies of K and V count in torch's memory statistics while the call
+    runs, and are given back when it returns."""
+    g = gen(98)
+    B, S, H, D = 2, 4096, 4, 128
+    q, k, v = (randn((B, S, H, D), torch.bfloat16, g) for _ in range(3))
+    kmask = torch.rand((B, S), generator=g, device=DEV) > 0.5
+    packed_kv = 2 * k.numel() * k.element_size()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    out = vidattn.attention(q, k, v, key_padding_mask=kmask)
+    torch.cuda.synchronize()
+    outputs = torch.cuda.memory_allocated() - base
+    assert out.isfinite().all()
+    assert outputs < packed_kv, "the workspace was not given back"
+    assert torch.cuda.max_memory_allocated() - base >= outputs + packed_kv
+
+
+def test_sm90_key_padding_masked_instance_without_packing():
+    """VIDATTN_SM90_PACK_PADDING=0 keeps non-causal key padding on the masked kernel instance,
+    which must still follow the rule (it also serves causal problems and any whose packed
+    copies do not fit in memory)."""
+    code = (
+        "import sys\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "import torch, test_attention_sm90 as t\n"
+        "from test_attention_cuda import gen, run_and_check\n"
+        "for case in (t.PACKED_CASES[0], t.PACKED_CASES[3]):\n"
+        "    q, k, v, km, qm = t.packed_case_inputs(case, gen(7))\n"
+        "    t.takes_sm90(lambda: run_and_check(q, k, v, kmask=km, qmask=qm, seed=7,\n"
+        "                                       check_grads=False, clone_inputs=False))\n"
+        "print('ok')\n")
+    env = dict(os.environ, VIDATTN_SM90_PACK_PADDING="0")
+    res = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "ok"
+
+
 # The second case's longest key sequence puts D = 64 on the 192-row tile.
 @pytest.mark.parametrize("lq,lk,D", [([300, 0, 1, 129, 64], [260, 5, 0, 400, 1], 128),
                                      ([300, 0, 200, 1], [8300, 5, 9000, 700], 64)])

@@ -12,8 +12,10 @@
 
 #include "../../core/backends.h"
 #include "../../core/check.h"
+#include "../device_workspace.h"
 #include "../sm90/sm90_dispatch.h"
 #include "../sm90/sm90_fwd_launch.h"
+#include "../sm90/sm90_fwd_pack_padding.h"
 #include "host_common.h"
 #include "launch.h"
 #include "params.h"
@@ -118,7 +120,16 @@ void cuda_attention_forward(const AttentionProblem& p, const TensorView& q, cons
   if (sm90_dense_fits(p, kp, q, k, v, out)) {
     bool launched = false;
     dispatch(p, [&](auto t, auto d) {
-      launched = cuda_sm90::launch_dense_forward<decltype(t), decltype(d)::value>(kp, stream);
+      using T = decltype(t);
+      constexpr int D = decltype(d)::value;
+      // Key padding runs packed as varlen (only the valid keys); the masked instance when
+      // that cannot run (causal, or no memory for the packed copies).
+      if (cuda_sm90::pack_padding_fits(kp))
+        launched = cuda_sm90::forward_padding_packed(
+            kp, D, sizeof(T), stream, [&](const AttentionParams& varlen) {
+              return cuda_sm90::launch_dense_forward<T, D>(varlen, stream);
+            });
+      if (!launched) launched = cuda_sm90::launch_dense_forward<T, D>(kp, stream);
     });
     if (launched) return;
   }
@@ -149,19 +160,13 @@ void cuda_attention_backward(const AttentionProblem& p, const TensorView& q,
   const auto stream = static_cast<cudaStream_t>(o.stream);
 
   // rowsum(dO * O) workspace, stream-ordered (no device-wide synchronisation; capturable).
-  const std::size_t delta_bytes = static_cast<std::size_t>(kp.rows_q * kp.heads_q) * sizeof(float);
-  void* delta = nullptr;
-  if (delta_bytes > 0) check_cuda(cudaMallocAsync(&delta, delta_bytes, stream), "cudaMallocAsync");
-  kp.delta = static_cast<float*>(delta);
-  try {
-    dispatch(p, [&](auto t, auto d) {
-      cuda_sm80::launch_backward<decltype(t), decltype(d)::value>(kp, stream);
-    });
-  } catch (...) {
-    if (delta) cudaFreeAsync(delta, stream);
-    throw;
-  }
-  if (delta) check_cuda(cudaFreeAsync(delta, stream), "cudaFreeAsync");
+  const cuda_common::DeviceWorkspace delta(
+      static_cast<std::size_t>(kp.rows_q * kp.heads_q) * sizeof(float), stream,
+      "the backward's row sums");
+  kp.delta = delta.as<float>();
+  dispatch(p, [&](auto t, auto d) {
+    cuda_sm80::launch_backward<decltype(t), decltype(d)::value>(kp, stream);
+  });
 }
 
 }  // namespace vidattn::detail

@@ -17,6 +17,7 @@
 #include "../../core/backends.h"
 #include "../../core/check.h"
 #include "../../core/vsa_backends.h"
+#include "../device_workspace.h"
 #include "host_common.h"
 #include "launch.h"
 #include "params.h"
@@ -125,20 +126,22 @@ void check_index_on_device(const char* fn, const TensorView& index, const Tensor
   }
   const std::int64_t work = std::max(p.rows, std::max(p.q_sizes ? p.q_tiles : 0, p.kv_sizes ? kv_tiles : 0));
   if (work == 0) return;
-  int* flag = nullptr;
-  check_cuda(cudaMallocAsync(&flag, 2 * sizeof(int), stream), "cudaMallocAsync");
   int host[2] = {0, INT_MAX};
-  cudaError_t status = cudaMemsetAsync(flag, 0, sizeof(int), stream);
-  if (status == cudaSuccess) status = cudaMemsetAsync(flag + 1, 0x7f, sizeof(int), stream);
-  if (status == cudaSuccess) {
-    const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>((work + 255) / 256, 1024));
-    block_sparse_attention_check_index_kernel<<<blocks, 256, 0, stream>>>(p, flag);
-    status = cudaGetLastError();
+  cudaError_t status = cudaSuccess;
+  {
+    const cuda_common::DeviceWorkspace flags(2 * sizeof(int), stream, "the block-sparse index check");
+    int* flag = flags.as<int>();
+    status = cudaMemsetAsync(flag, 0, sizeof(int), stream);
+    if (status == cudaSuccess) status = cudaMemsetAsync(flag + 1, 0x7f, sizeof(int), stream);
+    if (status == cudaSuccess) {
+      const unsigned blocks = static_cast<unsigned>(std::min<std::int64_t>((work + 255) / 256, 1024));
+      block_sparse_attention_check_index_kernel<<<blocks, 256, 0, stream>>>(p, flag);
+      status = cudaGetLastError();
+    }
+    if (status == cudaSuccess)
+      status = cudaMemcpyAsync(host, flag, sizeof(host), cudaMemcpyDeviceToHost, stream);
+    if (status == cudaSuccess) status = cudaStreamSynchronize(stream);
   }
-  if (status == cudaSuccess)
-    status = cudaMemcpyAsync(host, flag, sizeof(host), cudaMemcpyDeviceToHost, stream);
-  if (status == cudaSuccess) status = cudaStreamSynchronize(stream);
-  cudaFreeAsync(flag, stream);
   check_cuda(status, "block-sparse index check");
   if (host[0] == 0) return;
   const std::int64_t r = host[1];
@@ -459,19 +462,13 @@ void cuda_block_sparse_backward(const BlockSparseProblem& p, const TensorView& q
   }
 
   // rowsum(dO * O) workspace, stream-ordered (capturable).
-  const std::size_t delta_bytes = static_cast<std::size_t>(kp.rows_q * kp.heads_q) * sizeof(float);
-  void* delta = nullptr;
-  if (delta_bytes > 0) check_cuda(cudaMallocAsync(&delta, delta_bytes, stream), "cudaMallocAsync");
-  kp.delta = static_cast<float*>(delta);
-  try {
-    dispatch_dtype_head_dim(p.dtype == DType::kBFloat16, p.head_dim, [&](auto t, auto d) {
-      launch_block_sparse_backward<decltype(t), decltype(d)::value>(kp, stream);
-    });
-  } catch (...) {
-    if (delta) cudaFreeAsync(delta, stream);
-    throw;
-  }
-  if (delta) check_cuda(cudaFreeAsync(delta, stream), "cudaFreeAsync");
+  const cuda_common::DeviceWorkspace delta(
+      static_cast<std::size_t>(kp.rows_q * kp.heads_q) * sizeof(float), stream,
+      "the backward's row sums");
+  kp.delta = delta.as<float>();
+  dispatch_dtype_head_dim(p.dtype == DType::kBFloat16, p.head_dim, [&](auto t, auto d) {
+    launch_block_sparse_backward<decltype(t), decltype(d)::value>(kp, stream);
+  });
 }
 
 }  // namespace vidattn::detail

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "../../core/backends.h"
+#include "../device_workspace.h"
 #include "../sm80/launch.h"
 #include "sm90_fwd_kernel.h"
 #include "sm90_fwd_launch.h"
@@ -292,17 +293,18 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   cuda_sm80::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              Traits::kSmemBytes),
                         "cudaFuncSetAttribute (dynamic shared memory)");
+  // The item counter: one int per launch, stream-ordered (allocated, zeroed, the kernel,
+  // given back when this function returns), so launches on other streams never share it and
+  // graph capture records it.
+  const cuda_common::DeviceWorkspace counter(Traits::kStreamItems ? sizeof(int) : 0, stream,
+                                             "the sm90 tile counter");
   if constexpr (Traits::kStreamItems) {
-    // The item counter: one int per launch, stream-ordered (allocated, zeroed, the kernel,
-    // freed), so launches on other streams never share it and graph capture records it.
     p.items.num_q_blocks =
         static_cast<int>((a.seqlen_q + Traits::kBlockMStream - 1) / Traits::kBlockMStream);
     p.items.heads = a.heads_q;
     p.items.batch = a.batch;
     p.items.device_streams = Traits::kStreams * sm_count();
-    cuda_sm80::check_cuda(
-        cudaMallocAsync(reinterpret_cast<void**>(&p.items.counter), sizeof(int), stream),
-        "cudaMallocAsync (sm90 tile counter)");
+    p.items.counter = counter.as<int>();
     cuda_sm80::check_cuda(cudaMemsetAsync(p.items.counter, 0, sizeof(int), stream),
                           "cudaMemsetAsync (sm90 tile counter)");
   }
@@ -318,11 +320,7 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   }
   const cudaError_t last = cudaGetLastError();  // also clears a failed launch's error
   if (launched == cudaSuccess) launched = last;
-  cudaError_t freed = cudaSuccess;
-  if constexpr (Traits::kStreamItems)
-    freed = cudaFreeAsync(p.items.counter, stream);  // also after a failed launch
   cuda_sm80::check_cuda(launched, "sm90 attention forward kernel launch");
-  cuda_sm80::check_cuda(freed, "cudaFreeAsync (sm90 tile counter)");
   detail::note_sm90_forward_launch();
   return true;
 }

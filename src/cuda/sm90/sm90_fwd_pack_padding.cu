@@ -1,0 +1,335 @@
+// Key padding as varlen (sm90_fwd_pack_padding.h): ranks of the valid rows, varlen offsets,
+// row gathers into packed buffers and the scatter of the output back. Memory-bound helpers;
+// at Wan 480p they move ~1 GB against ~10 ms of attention.
+#include "sm90_fwd_pack_padding.h"
+
+#include <cstdint>
+#include <cstdlib>
+#include <limits>
+
+#include "../device_workspace.h"
+#include "../sm80/launch.h"
+
+namespace vidattn::cuda_sm90 {
+namespace {
+
+using cuda_sm80::check_cuda;
+
+constexpr int kScanThreads = 1024;
+constexpr int kCopyThreads = 256;
+// Rows after the last packed row that are zeroed: a sequence's partial last block loads up to
+// a block's rows past its end (the next sequence's rows, or these), and the masked products of
+// those rows must stay finite (0 * NaN would reach the output through P V).
+constexpr int kTailRows = 256;
+
+// pos[b * S + s]: how many valid rows of sequence b come before row s, or -1 where s is
+// padding; cu[b + 1]: sequence b's valid rows. One CTA per sequence walks its mask in steps
+// of kScanThreads rows (ballots, then a scan over the warps' counts).
+__global__ void __launch_bounds__(kScanThreads)
+    mask_ranks_kernel(const std::uint8_t* mask, std::int64_t mask_batch, std::int64_t mask_row,
+                      std::int64_t S, std::int32_t* pos, std::int32_t* cu) {
+  constexpr int kWarps = kScanThreads / 32;
+  __shared__ int warp_counts[kWarps];
+  const int b = blockIdx.x;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const std::uint8_t* m = mask + b * mask_batch;
+  std::int32_t* ranks = pos + b * S;
+  int carry = 0;
+  for (std::int64_t base = 0; base < S; base += kScanThreads) {
+    const std::int64_t s = base + threadIdx.x;
+    const bool valid = s < S && m[s * mask_row] != 0;
+    const unsigned ballot = __ballot_sync(0xffffffffu, valid);
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    if (warp == 0) {
+      int x = warp_counts[lane];
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, x, o);
+        if (lane >= o) x += y;
+      }
+      warp_counts[lane] = x;  // inclusive
+    }
+    __syncthreads();
+    const int before =
+        (warp > 0 ? warp_counts[warp - 1] : 0) + __popc(ballot & ((1u << lane) - 1u));
+    if (s < S) ranks[s] = valid ? carry + before : -1;
+    carry += warp_counts[kWarps - 1];
+    __syncthreads();  // warp_counts is rewritten by the next step
+  }
+  if (threadIdx.x == 0) cu[b + 1] = carry;
+}
+
+// cu[0 .. B]: uniform > 0: b * uniform (every row valid); else the running sum of the counts
+// in cu[1 .. B] (written by mask_ranks_kernel), in place, after cu[0] = 0. One CTA.
+__global__ void __launch_bounds__(kScanThreads)
+    offsets_kernel(std::int32_t* cu, int B, std::int32_t uniform) {
+  constexpr int kWarps = kScanThreads / 32;
+  __shared__ int warp_sums[kWarps];
+  if (uniform > 0) {
+    for (int b = threadIdx.x; b <= B; b += kScanThreads) cu[b] = b * uniform;
+    return;
+  }
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int carry = 0;
+  for (int base = 0; base < B; base += kScanThreads) {
+    const int i = base + threadIdx.x;
+    int x = i < B ? cu[i + 1] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += y;
+    }
+    if (lane == 31) warp_sums[warp] = x;
+    __syncthreads();
+    if (warp == 0) {
+      int w = warp_sums[lane];
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, w, o);
+        if (lane >= o) w += y;
+      }
+      warp_sums[lane] = w;
+    }
+    __syncthreads();
+    if (i < B) cu[i + 1] = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + x;
+    carry += warp_sums[kWarps - 1];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) cu[0] = 0;
+}
+
+// A [B, S, H, D] tensor by byte strides, and its packed [B * S, H, D] contiguous buffer.
+struct RowSource {
+  const char* src = nullptr;  // null: no tensor
+  std::int64_t batch = 0, row = 0, head = 0;  // bytes
+  char* dst = nullptr;
+};
+
+// Row of sequence b's row s in the packed buffers, or -1 for padding.
+__device__ __forceinline__ std::int64_t packed_row(const std::int32_t* pos, const std::int32_t* cu,
+                                                   int b, std::int64_t s, std::int64_t S) {
+  const std::int64_t r = pos ? pos[b * S + s] : s;
+  return r < 0 ? -1 : cu[b] + r;
+}
+
+// One warp per row: copies each valid row of a and b (same heads and map) to its packed row
+// in 16-byte pieces; the warps past B * S zero kTailRows rows after the last packed row.
+__global__ void __launch_bounds__(kCopyThreads)
+    gather_rows_kernel(RowSource a, RowSource b2, const std::int32_t* pos, const std::int32_t* cu,
+                       int B, std::int64_t S, int heads, int head_vecs) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t rows = static_cast<std::int64_t>(B) * S;
+  const int row_vecs = heads * head_vecs;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kCopyThreads / 32);
+  const std::int64_t first_warp =
+      (static_cast<std::int64_t>(blockIdx.x) * kCopyThreads + threadIdx.x) / 32;
+  for (std::int64_t item = first_warp; item < rows + kTailRows; item += warps) {
+    if (item >= rows) {
+      const std::int64_t t = cu[B] + (item - rows);
+      if (t >= rows) continue;
+      for (int j = lane; j < row_vecs; j += 32) {
+        reinterpret_cast<uint4*>(a.dst)[t * row_vecs + j] = make_uint4(0, 0, 0, 0);
+        if (b2.src) reinterpret_cast<uint4*>(b2.dst)[t * row_vecs + j] = make_uint4(0, 0, 0, 0);
+      }
+      continue;
+    }
+    const int bi = static_cast<int>(item / S);
+    const std::int64_t s = item - bi * S;
+    const std::int64_t t = packed_row(pos, cu, bi, s, S);
+    if (t < 0) continue;
+    for (int j = lane; j < row_vecs; j += 32) {
+      const int h = j / head_vecs, c = j - h * head_vecs;
+      const std::int64_t off = bi * a.batch + s * a.row + h * a.head + c * 16;
+      reinterpret_cast<uint4*>(a.dst)[t * row_vecs + j] =
+          *reinterpret_cast<const uint4*>(a.src + off);
+      if (b2.src) {
+        const std::int64_t off2 = bi * b2.batch + s * b2.row + h * b2.head + c * 16;
+        reinterpret_cast<uint4*>(b2.dst)[t * row_vecs + j] =
+            *reinterpret_cast<const uint4*>(b2.src + off2);
+      }
+    }
+  }
+}
+
+struct OutputScatter {
+  const char* packed_out = nullptr;  // null: the kernel wrote out in place
+  char* out = nullptr;
+  std::int64_t out_batch = 0, out_row = 0, out_head = 0;  // bytes
+  const float* packed_lse = nullptr;                       // [H, B * S]
+  float* lse = nullptr;
+  std::int64_t lse_batch = 0, lse_row = 0, lse_head = 0;  // elements
+};
+
+// One warp per row of the batched output: its packed row (or zeros on a padded query row)
+// and its LSE per head (-inf on padded rows).
+__global__ void __launch_bounds__(kCopyThreads)
+    scatter_output_kernel(OutputScatter o, const std::int32_t* pos, const std::int32_t* cu, int B,
+                          std::int64_t S, int heads, int head_vecs) {
+  const int lane = threadIdx.x & 31;
+  const std::int64_t rows = static_cast<std::int64_t>(B) * S;
+  const int row_vecs = heads * head_vecs;
+  const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (kCopyThreads / 32);
+  const std::int64_t first_warp =
+      (static_cast<std::int64_t>(blockIdx.x) * kCopyThreads + threadIdx.x) / 32;
+  for (std::int64_t item = first_warp; item < rows; item += warps) {
+    const int bi = static_cast<int>(item / S);
+    const std::int64_t s = item - bi * S;
+    const std::int64_t t = packed_row(pos, cu, bi, s, S);
+    if (o.packed_out || t < 0) {
+      for (int j = lane; j < row_vecs; j += 32) {
+        const int h = j / head_vecs, c = j - h * head_vecs;
+        const std::int64_t off = bi * o.out_batch + s * o.out_row + h * o.out_head + c * 16;
+        *reinterpret_cast<uint4*>(o.out + off) =
+            t < 0 ? make_uint4(0, 0, 0, 0)
+                  : reinterpret_cast<const uint4*>(o.packed_out)[t * row_vecs + j];
+      }
+    }
+    for (int h = lane; h < heads; h += 32)
+      o.lse[bi * o.lse_batch + s * o.lse_row + h * o.lse_head] =
+          t < 0 ? -std::numeric_limits<float>::infinity() : o.packed_lse[h * rows + t];
+  }
+}
+
+int copy_grid(std::int64_t warps_wanted) {
+  int device = 0, sms = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute");
+  const std::int64_t blocks = (warps_wanted + kCopyThreads / 32 - 1) / (kCopyThreads / 32);
+  const std::int64_t cap = static_cast<std::int64_t>(sms) * 16;
+  return static_cast<int>(blocks < cap ? (blocks > 0 ? blocks : 1) : cap);
+}
+
+// Carves one stream-ordered allocation into 256-byte aligned pieces.
+struct Carve {
+  std::size_t bytes = 0;
+  std::size_t take(std::size_t n) {
+    const std::size_t at = bytes;
+    bytes += (n + 255) / 256 * 256;
+    return at;
+  }
+};
+
+}  // namespace
+
+bool pack_padding_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("VIDATTN_SM90_PACK_PADDING");
+    return !(v != nullptr && v[0] == '0');
+  }();
+  return on;
+}
+
+bool pack_padding_fits(const AttentionParams& p) {
+  return pack_padding_enabled() && p.key_mask != nullptr && !p.causal && !p.varlen;
+}
+
+bool forward_padding_packed(const AttentionParams& p, int head_dim, std::size_t elem_bytes,
+                            cudaStream_t stream,
+                            const std::function<bool(const AttentionParams&)>& run_varlen) {
+  const int B = p.batch;
+  const std::int64_t Sq = p.seqlen_q, Sk = p.seqlen_k;
+  const std::int64_t rows_q = B * Sq, rows_k = B * Sk;
+  // q and out are read and written in place when every query row is valid and the rows of
+  // consecutive sequences follow each other (varlen row t = b * Sq + s).
+  const bool q_in_place =
+      p.query_mask == nullptr &&
+      (B == 1 || (p.q_strides.batch == Sq * p.q_strides.row &&
+                  p.out_strides.batch == Sq * p.out_strides.row));
+  const std::size_t q_row_bytes = static_cast<std::size_t>(p.heads_q) * head_dim * elem_bytes;
+  const std::size_t k_row_bytes = static_cast<std::size_t>(p.heads_kv) * head_dim * elem_bytes;
+
+  Carve carve;
+  const std::size_t at_cu_q = carve.take((B + 1) * sizeof(std::int32_t));
+  const std::size_t at_cu_k = carve.take((B + 1) * sizeof(std::int32_t));
+  const std::size_t at_pos_k = carve.take(rows_k * sizeof(std::int32_t));
+  const std::size_t at_pos_q = p.query_mask ? carve.take(rows_q * sizeof(std::int32_t)) : 0;
+  const std::size_t at_k = carve.take(rows_k * k_row_bytes);
+  const std::size_t at_v = carve.take(rows_k * k_row_bytes);
+  const std::size_t at_q = q_in_place ? 0 : carve.take(rows_q * q_row_bytes);
+  const std::size_t at_out = q_in_place ? 0 : carve.take(rows_q * q_row_bytes);
+  const std::size_t at_lse = carve.take(rows_q * p.heads_q * sizeof(float));
+
+  // Out of memory: the masked kernel needs no workspace.
+  const auto workspace = cuda_common::DeviceWorkspace::try_allocate(carve.bytes, stream);
+  char* ws = workspace.as<char>();
+  if (ws == nullptr) return false;
+  auto* cu_q = reinterpret_cast<std::int32_t*>(ws + at_cu_q);
+  auto* cu_k = reinterpret_cast<std::int32_t*>(ws + at_cu_k);
+  auto* pos_k = reinterpret_cast<std::int32_t*>(ws + at_pos_k);
+  auto* pos_q = p.query_mask ? reinterpret_cast<std::int32_t*>(ws + at_pos_q) : nullptr;
+  auto* packed_lse = reinterpret_cast<float*>(ws + at_lse);
+  const int head_vecs = static_cast<int>(head_dim * elem_bytes / 16);
+  const auto bytes = [&](std::int64_t elems) {
+    return elems * static_cast<std::int64_t>(elem_bytes);
+  };
+
+  mask_ranks_kernel<<<B, kScanThreads, 0, stream>>>(p.key_mask, p.key_mask_batch,
+                                                    p.key_mask_row, Sk, pos_k, cu_k);
+  offsets_kernel<<<1, kScanThreads, 0, stream>>>(cu_k, B, 0);
+  if (p.query_mask)
+    mask_ranks_kernel<<<B, kScanThreads, 0, stream>>>(p.query_mask, p.query_mask_batch,
+                                                      p.query_mask_row, Sq, pos_q, cu_q);
+  const std::int32_t every_row = p.query_mask ? 0 : static_cast<std::int32_t>(Sq);
+  offsets_kernel<<<1, kScanThreads, 0, stream>>>(cu_q, B, every_row);
+  const RowSource k{static_cast<const char*>(p.k), bytes(p.k_strides.batch),
+                    bytes(p.k_strides.row), bytes(p.k_strides.head), ws + at_k};
+  const RowSource v{static_cast<const char*>(p.v), bytes(p.v_strides.batch),
+                    bytes(p.v_strides.row), bytes(p.v_strides.head), ws + at_v};
+  gather_rows_kernel<<<copy_grid(rows_k + kTailRows), kCopyThreads, 0, stream>>>(
+      k, v, pos_k, cu_k, B, Sk, p.heads_kv, head_vecs);
+  if (!q_in_place) {
+    const RowSource q{static_cast<const char*>(p.q), bytes(p.q_strides.batch),
+                      bytes(p.q_strides.row), bytes(p.q_strides.head), ws + at_q};
+    gather_rows_kernel<<<copy_grid(rows_q + kTailRows), kCopyThreads, 0, stream>>>(
+        q, RowSource{}, pos_q, cu_q, B, Sq, p.heads_q, head_vecs);
+  }
+  check_cuda(cudaGetLastError(), "packing the padded rows");
+
+  AttentionParams vp = p;
+  vp.varlen = true;
+  vp.key_mask = nullptr;
+  vp.query_mask = nullptr;
+  vp.cu_seqlens_q = cu_q;
+  vp.cu_seqlens_k = cu_k;
+  vp.cu_seqlens_q_stride = vp.cu_seqlens_k_stride = 1;
+  const std::int64_t k_row = static_cast<std::int64_t>(p.heads_kv) * head_dim;
+  const std::int64_t q_row = static_cast<std::int64_t>(p.heads_q) * head_dim;
+  vp.k = ws + at_k;
+  vp.v = ws + at_v;
+  vp.k_strides = vp.v_strides = {0, k_row, head_dim};
+  if (q_in_place) {
+    vp.q_strides = {0, p.q_strides.row, p.q_strides.head};
+    vp.out_strides = {0, p.out_strides.row, p.out_strides.head};
+  } else {
+    vp.q = ws + at_q;
+    vp.out = ws + at_out;
+    vp.q_strides = vp.out_strides = {0, q_row, head_dim};
+  }
+  vp.lse = packed_lse;
+  vp.lse_strides = {0, 1, rows_q};
+  vp.rows_q = rows_q;
+  vp.rows_k = rows_k;
+  vp.aligned16 = true;  // packed rows; q in place was checked by the caller (TMA)
+  const bool launched = run_varlen(vp);
+  if (launched) {
+    OutputScatter o;
+    o.packed_out = q_in_place ? nullptr : ws + at_out;
+    o.out = static_cast<char*>(p.out);
+    o.out_batch = bytes(p.out_strides.batch);
+    o.out_row = bytes(p.out_strides.row);
+    o.out_head = bytes(p.out_strides.head);
+    o.packed_lse = packed_lse;
+    o.lse = p.lse;
+    o.lse_batch = p.lse_strides.batch;
+    o.lse_row = p.lse_strides.row;
+    o.lse_head = p.lse_strides.head;
+    scatter_output_kernel<<<copy_grid(rows_q), kCopyThreads, 0, stream>>>(
+        o, pos_q, cu_q, B, Sq, p.heads_q, head_vecs);
+    check_cuda(cudaGetLastError(), "scattering the packed output");
+  }
+  return launched;
+}
+
+}  // namespace vidattn::cuda_sm90
