@@ -4,7 +4,8 @@ triton.testing.do_bench, one JSON line per row on stdout, all rows in the JSON f
 
   python3 tools/bench_dense_cuda.py [out.json] [--shapes B,S,H,D[,causal] ...] [--fwd-vs-cudnn]
 
---shapes replaces the dense shapes. --fwd-vs-cudnn times only the forward, ours and cuDNN's,
+--shapes replaces the dense shapes; S may be Sq:Sk for a key length of its own (cross
+attention: 1,32760:512,12,128 is Wan 480p's text cross attention). --fwd-vs-cudnn times only the forward, ours and cuDNN's,
 with each row's ratio, and no sparse rows. Environment: BENCH_OURS_ONLY=1 times only
 vidattn's forward (A/B runs of a kernel switch in a second process: tools/sm90_ab.sh);
 BENCH_REQUIRES_GRAD=1 makes the forward's q, k, v leaves that require grad (the autograd
@@ -51,10 +52,16 @@ OURS_ONLY = os.environ.get("BENCH_OURS_ONLY") == "1"
 
 
 def parse_shape(spec):
+    """B,S,H,D[,causal] with S either one length or Sq:Sk -> (B, Sq, H, D, causal, Sk)."""
     parts = spec.split(",")
     if len(parts) not in (4, 5) or (len(parts) == 5 and parts[4] != "causal"):
-        raise argparse.ArgumentTypeError(f"shape {spec!r}: expected B,S,H,D or B,S,H,D,causal")
-    return (*(int(x) for x in parts[:4]), len(parts) == 5)
+        raise argparse.ArgumentTypeError(
+            f"shape {spec!r}: expected B,S,H,D or B,S,H,D,causal (S: a length or Sq:Sk)")
+    lengths = parts[1].split(":")
+    if len(lengths) > 2:
+        raise argparse.ArgumentTypeError(f"shape {spec!r}: S is a length or Sq:Sk")
+    sq, sk = int(lengths[0]), int(lengths[-1])
+    return (int(parts[0]), sq, int(parts[2]), int(parts[3]), len(parts) == 5, sk)
 
 
 def main(path, shapes, fwd_vs_cudnn):
@@ -62,12 +69,18 @@ def main(path, shapes, fwd_vs_cudnn):
     g.manual_seed(0)
     grad_inputs = os.environ.get("BENCH_REQUIRES_GRAD") == "1"
     rows = []
-    for B, S, H, D, causal in shapes:
-        q, k, v, go = (torch.randn((B, S, H, D), generator=g, device="cuda", dtype=torch.bfloat16)
-                       for _ in range(4))
+    for B, S, H, D, causal, *kv_len in shapes:
+        Sk = kv_len[0] if kv_len else S
+
+        def rnd(length):
+            return torch.randn((B, length, H, D), generator=g, device="cuda", dtype=torch.bfloat16)
+        q, k, v, go = rnd(S), rnd(Sk), rnd(Sk), rnd(S)
         q, k, v = (t.requires_grad_(grad_inputs) for t in (q, k, v))
-        fwd_flops = 4 * B * H * S * S * D / (2 if causal else 1)
+        # Causal with Sq != Sk is bottom-right aligned; the half is the square case's count.
+        fwd_flops = 4 * B * H * S * Sk * D / (2 if causal else 1)
         row = {"shape": [B, S, H, D], "causal": causal}
+        if Sk != S:
+            row["kv_len"] = Sk
         if fwd_vs_cudnn:
             rows.append(forward_vs_cudnn(row, q, k, v, causal, fwd_flops))
             print(json.dumps(rows[-1]), flush=True)
@@ -144,7 +157,8 @@ if __name__ == "__main__":
     parser.add_argument("out", nargs="?", default="bench_dense_cuda.json",
                         help="JSON file for all rows")
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=SHAPES,
-                        metavar="B,S,H,D[,causal]", help="the dense shapes (replace the default)")
+                        metavar="B,S,H,D[,causal]",
+                        help="the dense shapes (replace the default); S may be Sq:Sk")
     parser.add_argument("--fwd-vs-cudnn", action="store_true",
                         help="only the forward, ours and cuDNN's, with their ratio")
     args = parser.parse_args()

@@ -6,7 +6,8 @@
 # A setting is "-" (no variable) or space-separated VAR=value pairs.
 #  * AB_TOOL=bench (default): tools/bench_dense_cuda.py, vidattn's forward only (dense rows
 #    and the sm_90a block-sparse rows); writes $OUT/ab_<setting index>_<round>.json and
-#    prints every row's TFLOP/s per setting and round.
+#    prints every row's TFLOP/s per setting and round. BENCH_ARGS go to the bench, e.g.
+#    BENCH_ARGS="--fwd-vs-cudnn --shapes 1,32760:512,12,128" (cuDNN's rate in brackets).
 #  * AB_TOOL=power: tools/power_clocks.py (each workload back to back at the power cap:
 #    call time, SM clock, board power); writes $OUT/power_<setting index>_<round>.txt and
 #    prints each as it comes.
@@ -30,8 +31,10 @@ for ((r = 1; r <= ROUNDS; ++r)); do
       echo "## setting '${settings[$i]}', round $r"
       cat "$OUT/power_${i}_${r}.txt" 2>/dev/null
     else
+      # shellcheck disable=SC2086  # BENCH_ARGS is a list of arguments
       env BENCH_OURS_ONLY=1 $s timeout "${AB_TIMEOUT:-90}" python3 tools/bench_dense_cuda.py \
-        "$OUT/ab_${i}_${r}.json" >"$OUT/ab_${i}_${r}.log" 2>&1 || echo "setting $i round $r failed"
+        "$OUT/ab_${i}_${r}.json" ${BENCH_ARGS:-} >"$OUT/ab_${i}_${r}.log" 2>&1 ||
+        echo "setting $i round $r failed"
     fi
   done
 done
@@ -47,14 +50,22 @@ for i, s in enumerate(settings):
             continue
         data = json.load(open(path))
         for row in data["rows"]:
-            key = f"{row['shape']} {'causal' if row['causal'] else 'full'}"
-            table.setdefault(key, {}).setdefault(s, []).append(row.get("vidattn_fwd"))
+            kv = f" kv {row['kv_len']}" if "kv_len" in row else ""
+            key = f"{row['shape']}{kv} {'causal' if row['causal'] else 'full'}"
+            table.setdefault(key, {}).setdefault(s, []).append(
+                (row.get("vidattn_fwd"), row.get("cudnn_fwd")))
         for row in data["sparse_rows"]:
             key = f"sparse {row['shape']} tile {row['tile']} s {row['sparsity']}"
-            table.setdefault(key, {}).setdefault(s, []).append(row.get("sparse_fwd"))
+            table.setdefault(key, {}).setdefault(s, []).append((row.get("sparse_fwd"), None))
+
+
+def rate(ours, cudnn):
+    text = f"{ours:7.1f}" if ours else "    nan"
+    return text + (f" [{cudnn:5.1f}]" if cudnn else "")
+
+
 for key, per in table.items():
     print(key)
     for s in settings:
-        vals = per.get(s, [])
-        print(f"   {s:<48} " + " ".join(f"{v:7.1f}" if v else "    nan" for v in vals))
+        print(f"   {s:<48} " + " ".join(rate(*v) for v in per.get(s, [])))
 EOF

@@ -295,12 +295,13 @@ def test_disable_env_keeps_the_portable_path():
     assert int(res.stdout.strip().splitlines()[-1]) >= 1
 
 
-# Dense D = 128 problems with an even number of 128-row query blocks run in CTA pairs that
-# share each K / V load (TMA multicast); odd counts, causal, varlen, key masks and D = 64 (the
-# last two rows: the 192-row tile) on single CTAs. B, Sq, Sk, Hq, Hkv, D, dtype: partial last
-# query and key blocks, GQA, q != kv length.
-PAIR_SHAPES = [(2, 200, 333, 4, 2, 128, torch.bfloat16), (1, 1000, 1000, 3, 3, 128, torch.float16),
-               (3, 256, 4100, 2, 1, 128, torch.bfloat16), (1, 4096, 77, 2, 2, 128, torch.float16),
+# Dense D = 128 problems with more than 4096 keys (shorter ones take the persistent grid) and
+# an even number of 128-row query blocks run in CTA pairs that share each K / V load (TMA
+# multicast); odd counts, causal, varlen, key masks and D = 64 (the last two rows: the
+# 192-row tile) on single CTAs. B, Sq, Sk, Hq, Hkv, D, dtype: partial last query and key
+# blocks, GQA, q != kv length.
+PAIR_SHAPES = [(2, 200, 4433, 4, 2, 128, torch.bfloat16), (1, 1000, 4500, 3, 3, 128, torch.float16),
+               (3, 256, 4100, 2, 1, 128, torch.bfloat16), (1, 4096, 4177, 2, 2, 128, torch.float16),
                (1, 700, 8300, 4, 2, 64, torch.bfloat16), (2, 384, 8192, 2, 2, 64, torch.float16)]
 
 
@@ -342,6 +343,57 @@ def test_sm90_cta_pairs_give_the_bits_of_single_ctas(tmp_path):
     for paired, single in zip(got["1"], got["0"]):
         assert paired.isfinite().all()
         assert torch.equal(paired, single)
+
+
+# Problems with at most 4096 keys run on the persistent grid (the producer loads the next tile
+# while the consumers finish one): cross attention to 512 / 257 text or image tokens, a short
+# self attention, causal, D = 64, GQA.
+SHORT_KEY_SHAPES = [(1, 3000, 512, 4, 4, 128, False), (2, 1000, 257, 4, 2, 128, False),
+                    (1, 2048, 2048, 2, 2, 64, False), (2, 777, 4096, 2, 1, 128, True)]
+
+
+def test_sm90_grid_choice_keeps_the_bits(tmp_path):
+    """The persistent grid (the default up to 4096 keys) and one CTA per tile
+    (VIDATTN_SM90_GRID=tiles) run the same tile arithmetic: the same output and LSE bits, and
+    both follow the rule. A persistent CTA that skipped or repeated a tile would not give
+    them."""
+    code = (
+        "import sys, torch, vidattn\n"
+        f"shapes = {SHORT_KEY_SHAPES!r}\n"
+        "outs = []\n"
+        "for i, (b, sq, sk, hq, hkv, d, causal) in enumerate(shapes):\n"
+        "    g = torch.Generator(device='cuda').manual_seed(i)\n"
+        "    q, k, v = (torch.randn(b, s, h, d, generator=g, device='cuda', dtype=torch.bfloat16)\n"
+        "               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))\n"
+        "    outs += list(vidattn.attention(q, k, v, causal=causal, return_lse=True))\n"
+        "torch.save([o.cpu() for o in outs], sys.argv[1])\n")
+    got = {}
+    for setting in ("auto", "tiles"):
+        path = tmp_path / f"grid_{setting}.pt"
+        env = dict(os.environ)
+        env.pop("VIDATTN_SM90_GRID", None)
+        if setting == "tiles":
+            env["VIDATTN_SM90_GRID"] = "tiles"
+        res = subprocess.run([sys.executable, "-c", code, str(path)], env=env,
+                             capture_output=True, text=True, timeout=180)
+        assert res.returncode == 0, res.stderr
+        got[setting] = torch.load(path)
+    for persistent, tiles in zip(got["auto"], got["tiles"]):
+        assert persistent.isfinite().any()
+        assert torch.equal(persistent, tiles)
+
+
+@pytest.mark.parametrize("shape", SHORT_KEY_SHAPES,
+                         ids=lambda c: "B{}_Sq{}_Sk{}_H{}x{}_D{}_{}".format(
+                             *c[:6], "causal" if c[6] else "full"))
+def test_sm90_short_keys_match_reference(shape):
+    B, Sq, Sk, Hq, Hkv, D, causal = shape
+    seed = zlib.crc32(repr(shape).encode())
+    g = gen(seed)
+    q = randn((B, Sq, Hq, D), torch.bfloat16, g, 4.0)
+    k = randn((B, Sk, Hkv, D), torch.bfloat16, g, 4.0)
+    v = randn((B, Sk, Hkv, D), torch.bfloat16, g)
+    takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
 def test_misaligned_views_fall_back():

@@ -114,18 +114,41 @@ inline bool d64_wide_enabled() {
 }
 
 // The dense grid (the block-sparse kernels take stream items on a persistent grid instead):
-// one CTA per tile by default, a persistent grid of (SMs - sm_margin) CTAs when the
-// caller leaves SMs free, or always with VIDATTN_SM90_GRID=persistent (read once; for A/B).
-// Alone on the GPU both run at the same speed (docs/perf-notes.md); beside other kernels
-// (NCCL in sequence parallelism) a persistent CTA that starts late, behind their blocks,
-// still owns its share of the tiles and the whole kernel waits for it, while one CTA per tile
-// lets the hardware hand the remaining tiles to whichever SM is free.
-inline bool persistent_grid_forced() {
-  static const bool on = [] {
+// one CTA per tile for long key sequences, a persistent grid of (SMs - sm_margin) CTAs for
+// short ones and when the caller leaves SMs free.
+// * Long: alone on the GPU both grids run at the same speed (docs/perf-notes.md, v6); beside
+//   other kernels (NCCL in sequence parallelism) a persistent CTA that starts late, behind
+//   their blocks, still owns its share of the tiles and the whole kernel waits for it, while
+//   one CTA per tile lets the hardware hand the remaining tiles to whichever SM is free.
+// * Short (at most kPersistentMaxKeys keys, e.g. text or image cross attention): a tile's key
+//   loop is a few blocks, and on one CTA per tile each CTA's start (barriers, Q and the first
+//   K / V in flight) and end (the output store) overlap no other tile's products; on the
+//   persistent grid the producer loads the next tile while the consumers finish this one
+//   (+17% at 32760 x 512 keys, +25% at 257; v23).
+// VIDATTN_SM90_GRID=persistent | tiles forces one of them (read once; for A/B); sm_margin
+// always takes the persistent grid.
+inline constexpr std::int64_t kPersistentMaxKeys = 4096;
+
+enum class GridChoice { kAuto, kPersistent, kTiles };
+
+inline GridChoice grid_choice() {
+  static const GridChoice choice = [] {
     const char* v = std::getenv("VIDATTN_SM90_GRID");
-    return v != nullptr && std::string_view(v) == "persistent";
+    if (v == nullptr) return GridChoice::kAuto;
+    if (std::string_view(v) == "persistent") return GridChoice::kPersistent;
+    if (std::string_view(v) == "tiles") return GridChoice::kTiles;
+    return GridChoice::kAuto;
   }();
-  return on;
+  return choice;
+}
+
+inline bool dense_grid_persistent(const AttentionParams& a) {
+  if (a.sm_margin > 0) return true;
+  switch (grid_choice()) {
+    case GridChoice::kPersistent: return true;
+    case GridChoice::kTiles: return false;
+    default: return a.seqlen_k <= kPersistentMaxKeys;
+  }
 }
 
 // VIDATTN_SM90_CLUSTER=0 keeps dense attention on single CTAs (for measuring the pairs;
@@ -139,13 +162,12 @@ inline bool dense_cluster_enabled() {
 }
 
 // Whether the dense problem runs in CTA pairs: the two tiles of a pair (consecutive slots of
-// the one-CTA-per-tile grid, so no sm_margin or forced persistent grid) must belong to one
-// head and visit the same key blocks, so: not causal, not varlen, no key mask, an even number
-// of query blocks per head.
+// the one-CTA-per-tile grid, so not a persistent one) must belong to one head and visit the
+// same key blocks, so: not causal, not varlen, no key mask, an even number of query blocks
+// per head.
 inline bool dense_cluster_fits(const AttentionParams& a, int block_m) {
   return dense_cluster_enabled() && !a.causal && !a.varlen && a.key_mask == nullptr &&
-         a.sm_margin <= 0 && !persistent_grid_forced() &&
-         ((a.seqlen_q + block_m - 1) / block_m) % 2 == 0;
+         !dense_grid_persistent(a) && ((a.seqlen_q + block_m - 1) / block_m) % 2 == 0;
 }
 
 inline int sm_count() {
@@ -286,8 +308,7 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.pingpong = pingpong_enabled();
   p.rescale_slack = rescale_slack();
   const int tiles = p.sched.total_tiles();
-  const bool persistent =
-      Traits::kStreamItems || a.sm_margin > 0 || persistent_grid_forced();
+  const bool persistent = Traits::kStreamItems || dense_grid_persistent(a);
   const int grid =
       persistent ? std::min(tiles, std::max(1, sm_count() - std::max(0, a.sm_margin))) : tiles;
   cuda_sm80::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
