@@ -6,8 +6,9 @@ Dense: B1 H12 S32768 D128 bf16 (the issue's dense shape). Block-sparse: Wan2.1-1
 (624 tiles of 64 tokens, H12, D128, 90% sparse -> 63 key tiles per query tile, a seeded
 uniform random selection as in the benchmark). Not a test and not a benchmark: it only runs
 the kernels once each (after a warm-up) so the profiler sees a steady state.
-`--dense B,S,H,D` changes the dense shape (e.g. 2,16384,32,64); `--dense-only` skips the
-block-sparse launch."""
+`--dense B,S,H,D` changes the dense shape (e.g. 2,16384,32,64; S may be Sq:Sk, e.g.
+1,32760:512,12,128 for Wan 480p's text cross attention); `--dense-only` skips the block-sparse
+launch."""
 import argparse
 
 import torch
@@ -20,13 +21,15 @@ def main() -> None:
     ap.add_argument("--dense", default="1,32768,12,128", help="B,S,H,D of the dense launch")
     ap.add_argument("--dense-only", action="store_true")
     args = ap.parse_args()
-    B, S, H, D = (int(x) for x in args.dense.split(","))
+    b, s, h, d = args.dense.split(",")
+    B, H, D = int(b), int(h), int(d)
+    S, Sk = int(s.split(":")[0]), int(s.split(":")[-1])
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(*shape):
         return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
 
-    q, k, v = randn(B, S, H, D), randn(B, S, H, D), randn(B, S, H, D)
+    q, k, v = randn(B, S, H, D), randn(B, Sk, H, D), randn(B, Sk, H, D)
     tiles, topk = 624, 63
     qs, ks, vs = (randn(1, tiles * 64, 12, 128) for _ in range(3))
     scores = torch.rand(1, 12, tiles, tiles, generator=g, device="cuda")

@@ -1,8 +1,8 @@
 // Epilogue of the sm_90a forward: normalises the output accumulator, writes exact zeros (LSE
 // -inf) for rows that saw no key or are padded queries (query mask; block-sparse: slots at
-// or past `row_limit`, the end of the tile's valid slots), and writes O (pairs of columns,
-// 4-byte stores) and the LSE (natural log, fp32) straight from registers. Rows past the
-// sequence are not written.
+// or past `row_limit`, the end of the tile's valid slots), and writes O (dense: 16-byte stores
+// of 8 columns, gathered across each quad; block-sparse: 4-byte stores of column pairs) and
+// the LSE (natural log, fp32) from registers. Rows past the sequence are not written.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -30,11 +30,79 @@ __device__ __forceinline__ std::uint32_t pack_pair(float x, float y) {
   }
 }
 
-// o: the thread's output accumulator; coords(v): (row, column) of value v in the stream tile.
+// The 4 x 4 transpose of 32-bit words across a quad (lanes 4k .. 4k + 3, which share a row of
+// the accumulator) in two butterfly stages: lane q starts with words (q, 0 .. 3) and ends with
+// words (0 .. 3, q). Every lane of the warp takes part.
+__device__ __forceinline__ void quad_transpose(std::uint32_t (&a)[4], int lane) {
+  const bool odd = lane & 1, upper = lane & 2;
+  std::uint32_t x0 = odd ? a[0] : a[1], x1 = odd ? a[2] : a[3];
+  std::uint32_t y0 = __shfl_xor_sync(0xffffffffu, x0, 1);
+  std::uint32_t y1 = __shfl_xor_sync(0xffffffffu, x1, 1);
+  if (odd) a[0] = y0, a[2] = y1;
+  else a[1] = y0, a[3] = y1;
+  x0 = upper ? a[0] : a[2], x1 = upper ? a[1] : a[3];
+  y0 = __shfl_xor_sync(0xffffffffu, x0, 2);
+  y1 = __shfl_xor_sync(0xffffffffu, x1, 2);
+  if (upper) a[0] = y0, a[1] = y1;
+  else a[2] = y0, a[3] = y1;
+}
+
+// o: the thread's output accumulator; coords(v): (row, column) of value v in the stream tile
+// (wgmma's layout: column 8 (v / 4) + 2 (lane % 4) + v % 2). A quad holds 8 consecutive
+// columns of its row for each v / 4; transposed across the quad, each lane stores 16 bytes
+// of the row at once (4-byte stores straight from the accumulator used half of every 32-byte
+// sector: short key loops are bound by their output).
 template <class Element, class Frag, class Coords>
-__device__ __forceinline__ void write_output(const AttentionParams& p, const Sequence& seq, int h,
-                                             std::int64_t q0, const Frag& o, const Coords& coords,
-                                             OnlineSoftmax& sm, std::int64_t row_limit) {
+__device__ __forceinline__ void write_output_octets(const AttentionParams& p, const Sequence& seq,
+                                                    int h, std::int64_t q0, const Frag& o,
+                                                    const Coords& coords, OnlineSoftmax& sm,
+                                                    std::int64_t row_limit) {
+  constexpr int kVals = decltype(cute::size(o))::value;
+  static_assert(kVals % 16 == 0, "groups of 4 column octets per row half");
+  const int lane = threadIdx.x & 31;
+  const int quad_lane = lane & 3;
+  auto* out = static_cast<std::uint16_t*>(p.out);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float sum = cuda_sm80::quad_sum(sm.row_sum[r]);  // the whole row (quad)
+    const std::int64_t i = q0 + cute::get<0>(coords(2 * r));
+    const bool valid = i < seq.len_q;  // the quad's row exists (the shuffles run regardless)
+    bool empty = !(sum > 0.f);
+    if (valid && p.query_mask &&
+        !p.query_mask[seq.batch * p.query_mask_batch + i * p.query_mask_row])
+      empty = true;
+    if (i >= row_limit) empty = true;
+    const float inv = empty ? 0.f : 1.f / sum;
+    std::uint16_t* dst = out + cuda_sm80::q_side_offset(p, p.out_strides, seq, i, h);
+    const int col0 = cute::get<1>(coords(2 * r)) - 2 * quad_lane;  // column of octet 0
+#pragma unroll
+    for (int g = 0; g < kVals / 16; ++g) {
+      std::uint32_t words[4];
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        const int v = 4 * (4 * g + t) + 2 * r;
+        // Exact zeros: a padded row's accumulator may hold anything (its inputs are not read
+        // by contract), and 0 * NaN is NaN.
+        words[t] = empty ? 0u : pack_pair<Element>(o(v) * inv, o(v + 1) * inv);
+      }
+      quad_transpose(words, lane);
+      if (valid)
+        *reinterpret_cast<uint4*>(dst + col0 + 8 * (4 * g + quad_lane)) =
+            make_uint4(words[0], words[1], words[2], words[3]);
+    }
+    if (valid && quad_lane == 0)
+      p.lse[cuda_sm80::q_side_offset(p, p.lse_strides, seq, i, h)] =
+          empty ? -INFINITY : sm.row_max[r] * 0.6931471805599453f + logf(sum);
+  }
+}
+
+// The same with 4-byte stores of column pairs straight from the accumulator (the block-sparse
+// kernels: see SparseKeyList::kQuadStores).
+template <class Element, class Frag, class Coords>
+__device__ __forceinline__ void write_output_pairs(const AttentionParams& p, const Sequence& seq,
+                                                   int h, std::int64_t q0, const Frag& o,
+                                                   const Coords& coords, OnlineSoftmax& sm,
+                                                   std::int64_t row_limit) {
   constexpr int kVals = decltype(cute::size(o))::value;
   const int lane = threadIdx.x & 31;
   auto* out = static_cast<std::uint16_t*>(p.out);
@@ -61,6 +129,17 @@ __device__ __forceinline__ void write_output(const AttentionParams& p, const Seq
       p.lse[cuda_sm80::q_side_offset(p, p.lse_strides, seq, i, h)] =
           empty ? -INFINITY : sm.row_max[r] * 0.6931471805599453f + logf(sum);
   }
+}
+
+// The policy's choice (kQuadStores) of the two.
+template <class Element, bool kQuadStores, class Frag, class Coords>
+__device__ __forceinline__ void write_output(const AttentionParams& p, const Sequence& seq, int h,
+                                             std::int64_t q0, const Frag& o, const Coords& coords,
+                                             OnlineSoftmax& sm, std::int64_t row_limit) {
+  if constexpr (kQuadStores)
+    write_output_octets<Element>(p, seq, h, q0, o, coords, sm, row_limit);
+  else
+    write_output_pairs<Element>(p, seq, h, q0, o, coords, sm, row_limit);
 }
 
 }  // namespace vidattn::cuda_sm90

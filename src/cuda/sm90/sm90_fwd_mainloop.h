@@ -396,7 +396,8 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     if (n == 0) {
       Barrier::arrive(&st.q_empty);
       clear(tOrO);
-      write_output<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax, row_limit);
+      write_output<Element, Visit::kQuadStores>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax,
+                                                row_limit);
       hand_over(slot);
       continue;
     }
@@ -475,7 +476,8 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     release(&st.v_empty[prev.stage]);
-    write_output<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax, row_limit);
+    write_output<Element, Visit::kQuadStores>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax,
+                                              row_limit);
     hand_over(slot);
   }
   hand_over(-1);

@@ -40,6 +40,8 @@ struct KeyBlock {
 template <int kBlockN, bool kKeyMask = false>
 struct DenseKeyRange {
   static constexpr bool kElementMask = true;  // causal possible
+  // The output leaves in 16-byte stores gathered across each quad (write_output).
+  static constexpr bool kQuadStores = true;
   static constexpr bool kKeyFlags = kKeyMask;  // key padding (KeyBlock::key_flags)
   static constexpr bool kProducerRecordsBlocks = false;  // block(i) is arithmetic
   // Which blocks need the mask is known before the loop (first_masked_block): the mainloop
@@ -127,6 +129,10 @@ struct DenseKeyRange {
 template <int kBlockN, bool kHalves_ = false>
 struct SparseKeyList {
   static constexpr bool kElementMask = false;  // only the per-tile valid length
+  // 4-byte stores straight from the accumulator: the 16-byte ones were measured on dense
+  // problems only (docs/perf-notes.md, v24), and these kernels keep the code they were
+  // measured with.
+  static constexpr bool kQuadStores = false;
   static constexpr bool kKeyFlags = false;
   // block(i) reads the index (and block sizes) from global memory: the producer, which
   // needs it for the load anyway, records each block's valid length in shared memory.
