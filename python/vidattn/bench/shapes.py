@@ -59,6 +59,13 @@ def dense(batch: int, heads: int, seq: int, head_dim: int, name: str = "") -> Sh
     return Shape(batch, heads, seq, seq, head_dim, name=name)
 
 
+def cross(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
+          name: str = "") -> Shape:
+    """Dense attention of ``q_len`` queries to ``kv_len`` keys (a video's tokens to text or
+    image tokens)."""
+    return Shape(batch, heads, q_len, kv_len, head_dim, name=name)
+
+
 # Tokens per tile of the block-sparse kernel problems (vsa.md: 4 x 4 x 4 tiles).
 BLOCK_SPARSE_TILE = 64
 
@@ -130,11 +137,16 @@ PRESETS: dict[str, Preset] = {
         dtypes=("bf16",), about="block-sparse fwd+bwd vs FlexAttention and FastVideo (GPU)"),
     # Issue #4's side-by-side run: dense, block-sparse and the whole VSA op at the shapes of
     # vsa.md section 6 (plus targets.md's peer shapes: S=32768 H12 D128, and B2 H32 S16384
-    # D64 for issue #5's D = 64 target), each case against its peers.
+    # D64 for issue #5's D = 64 target), each case against its peers; and the cross
+    # attention Wan runs in every block (its 32,760 / 75,600 video tokens to 512 text tokens,
+    # and to 257 image tokens in image-to-video).
     "gpu-suite": Preset(
         (dense(1, 12, 39936, 128, "Wan2.1-1.3B 480p"), dense(1, 40, 92160, 128, "Wan2.1-14B 720p"),
          dense(1, 24, 115200, 128, "HunyuanVideo 720p"), dense(1, 12, 32768, 128),
-         dense(2, 32, 16384, 64))
+         dense(2, 32, 16384, 64),
+         cross(1, 12, 32760, 512, 128, "Wan2.1-1.3B 480p text cross attention"),
+         cross(1, 40, 75600, 512, 128, "Wan2.1-14B 720p text cross attention"),
+         cross(1, 40, 75600, 257, 128, "Wan2.1-14B 720p image cross attention"))
         + tuple(block_sparse(1, heads, seq, 128, sparsity, name)
                 for heads, seq, name in ((12, 39936, "Wan2.1-1.3B 480p"),
                                          (40, 92160, "Wan2.1-14B 720p"))
