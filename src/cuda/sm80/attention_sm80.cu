@@ -28,6 +28,14 @@ void check_cuda(cudaError_t status, const char* what) {
                              cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
 }
 
+int current_sm_count() {
+  int device = 0, count = 0;
+  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device),
+             "cudaDeviceGetAttribute (multiprocessors)");
+  return count;
+}
+
 }  // namespace vidattn::cuda_sm80
 
 namespace vidattn::detail {

@@ -31,4 +31,7 @@ void launch_block_sparse_backward(const AttentionParams& p, cudaStream_t stream)
 // Throws std::runtime_error naming `what` when `status` is an error.
 void check_cuda(cudaError_t status, const char* what);
 
+// Multiprocessors of the current device (throws like check_cuda).
+int current_sm_count();
+
 }  // namespace vidattn::cuda_sm80

@@ -170,14 +170,6 @@ inline bool dense_cluster_fits(const AttentionParams& a, int block_m) {
          !dense_grid_persistent(a) && ((a.seqlen_q + block_m - 1) / block_m) % 2 == 0;
 }
 
-inline int sm_count() {
-  int device = 0, count = 0;
-  cuda_sm80::check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  cuda_sm80::check_cuda(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device),
-                        "cudaDeviceGetAttribute (multiprocessors)");
-  return count;
-}
-
 // Whether the kernel has sm_90a machine code in this build (not just the empty sm_80 body).
 template <class Kernel>
 bool has_sm90a_code(Kernel kernel) {
@@ -309,8 +301,8 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.rescale_slack = rescale_slack();
   const int tiles = p.sched.total_tiles();
   const bool persistent = Traits::kStreamItems || dense_grid_persistent(a);
-  const int grid =
-      persistent ? std::min(tiles, std::max(1, sm_count() - std::max(0, a.sm_margin))) : tiles;
+  const int sms = cuda_sm80::current_sm_count();
+  const int grid = persistent ? std::min(tiles, std::max(1, sms - std::max(0, a.sm_margin))) : tiles;
   cuda_sm80::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              Traits::kSmemBytes),
                         "cudaFuncSetAttribute (dynamic shared memory)");
@@ -324,7 +316,7 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
         static_cast<int>((a.seqlen_q + Traits::kBlockMStream - 1) / Traits::kBlockMStream);
     p.items.heads = a.heads_q;
     p.items.batch = a.batch;
-    p.items.device_streams = Traits::kStreams * sm_count();
+    p.items.device_streams = Traits::kStreams * sms;
     p.items.counter = counter.as<int>();
     cuda_sm80::check_cuda(cudaMemsetAsync(p.items.counter, 0, sizeof(int), stream),
                           "cudaMemsetAsync (sm90 tile counter)");

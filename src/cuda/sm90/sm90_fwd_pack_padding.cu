@@ -22,40 +22,51 @@ constexpr int kCopyThreads = 256;
 // those rows must stay finite (0 * NaN would reach the output through P V).
 constexpr int kTailRows = 256;
 
+// Inclusive sum of x over the first k lanes of the warp, for lane k.
+__device__ __forceinline__ int warp_inclusive_sum(int x, int lane) {
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  return x;
+}
+
+// One step of a scan over kScanThreads values, one per thread of the CTA: returns the sum of
+// the values of this thread and the ones before it, and sets `total` to the step's sum.
+// warp_sums: kScanThreads / 32 ints of shared memory. Every thread must call it.
+__device__ __forceinline__ int block_inclusive_sum(int x, int* warp_sums, int& total) {
+  constexpr int kWarps = kScanThreads / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  x = warp_inclusive_sum(x, lane);
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) warp_sums[lane] = warp_inclusive_sum(warp_sums[lane], lane);
+  __syncthreads();
+  const int inclusive = (warp > 0 ? warp_sums[warp - 1] : 0) + x;
+  total = warp_sums[kWarps - 1];
+  __syncthreads();  // warp_sums is rewritten by the next step
+  return inclusive;
+}
+
 // pos[b * S + s]: how many valid rows of sequence b come before row s, or -1 where s is
 // padding; cu[b + 1]: sequence b's valid rows. One CTA per sequence walks its mask in steps
-// of kScanThreads rows (ballots, then a scan over the warps' counts).
+// of kScanThreads rows.
 __global__ void __launch_bounds__(kScanThreads)
     mask_ranks_kernel(const std::uint8_t* mask, std::int64_t mask_batch, std::int64_t mask_row,
                       std::int64_t S, std::int32_t* pos, std::int32_t* cu) {
-  constexpr int kWarps = kScanThreads / 32;
-  __shared__ int warp_counts[kWarps];
+  __shared__ int warp_sums[kScanThreads / 32];
   const int b = blockIdx.x;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const std::uint8_t* m = mask + b * mask_batch;
   std::int32_t* ranks = pos + b * S;
   int carry = 0;
   for (std::int64_t base = 0; base < S; base += kScanThreads) {
     const std::int64_t s = base + threadIdx.x;
     const bool valid = s < S && m[s * mask_row] != 0;
-    const unsigned ballot = __ballot_sync(0xffffffffu, valid);
-    if (lane == 0) warp_counts[warp] = __popc(ballot);
-    __syncthreads();
-    if (warp == 0) {
-      int x = warp_counts[lane];
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += y;
-      }
-      warp_counts[lane] = x;  // inclusive
-    }
-    __syncthreads();
-    const int before =
-        (warp > 0 ? warp_counts[warp - 1] : 0) + __popc(ballot & ((1u << lane) - 1u));
-    if (s < S) ranks[s] = valid ? carry + before : -1;
-    carry += warp_counts[kWarps - 1];
-    __syncthreads();  // warp_counts is rewritten by the next step
+    int step = 0;
+    const int upto = block_inclusive_sum(valid ? 1 : 0, warp_sums, step);
+    if (s < S) ranks[s] = valid ? carry + upto - 1 : -1;
+    carry += step;
   }
   if (threadIdx.x == 0) cu[b + 1] = carry;
 }
@@ -64,46 +75,42 @@ __global__ void __launch_bounds__(kScanThreads)
 // in cu[1 .. B] (written by mask_ranks_kernel), in place, after cu[0] = 0. One CTA.
 __global__ void __launch_bounds__(kScanThreads)
     offsets_kernel(std::int32_t* cu, int B, std::int32_t uniform) {
-  constexpr int kWarps = kScanThreads / 32;
-  __shared__ int warp_sums[kWarps];
+  __shared__ int warp_sums[kScanThreads / 32];
   if (uniform > 0) {
     for (int b = threadIdx.x; b <= B; b += kScanThreads) cu[b] = b * uniform;
     return;
   }
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int carry = 0;
   for (int base = 0; base < B; base += kScanThreads) {
     const int i = base + threadIdx.x;
-    int x = i < B ? cu[i + 1] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int y = __shfl_up_sync(0xffffffffu, x, o);
-      if (lane >= o) x += y;
-    }
-    if (lane == 31) warp_sums[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-      int w = warp_sums[lane];
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int y = __shfl_up_sync(0xffffffffu, w, o);
-        if (lane >= o) w += y;
-      }
-      warp_sums[lane] = w;
-    }
-    __syncthreads();
-    if (i < B) cu[i + 1] = carry + (warp > 0 ? warp_sums[warp - 1] : 0) + x;
-    carry += warp_sums[kWarps - 1];
-    __syncthreads();
+    int step = 0;
+    const int upto = block_inclusive_sum(i < B ? cu[i + 1] : 0, warp_sums, step);
+    if (i < B) cu[i + 1] = carry + upto;
+    carry += step;
   }
   if (threadIdx.x == 0) cu[0] = 0;
 }
 
-// A [B, S, H, D] tensor by byte strides, and its packed [B * S, H, D] contiguous buffer.
+// Byte strides of a [B, S, H, D] tensor; at(): the offset of 16-byte piece c of (b, s, h).
+struct ByteStrides {
+  std::int64_t batch = 0, row = 0, head = 0;
+  __device__ __forceinline__ std::int64_t at(int b, std::int64_t s, int h, int c) const {
+    return b * batch + s * row + h * head + c * 16;
+  }
+};
+
+// A [B, S, H, D] tensor and its packed [B * S, H, D] contiguous buffer.
 struct RowSource {
-  const char* src = nullptr;  // null: no tensor
-  std::int64_t batch = 0, row = 0, head = 0;  // bytes
+  const char* src = nullptr;
+  ByteStrides strides;
   char* dst = nullptr;
+};
+
+// Tensors of one side (query or key) gathered by one launch: the same heads and map.
+struct RowSources {
+  static constexpr int kMax = 2;
+  RowSource t[kMax];
+  int count = 0;
 };
 
 // Row of sequence b's row s in the packed buffers, or -1 for padding.
@@ -113,11 +120,11 @@ __device__ __forceinline__ std::int64_t packed_row(const std::int32_t* pos, cons
   return r < 0 ? -1 : cu[b] + r;
 }
 
-// One warp per row: copies each valid row of a and b (same heads and map) to its packed row
-// in 16-byte pieces; the warps past B * S zero kTailRows rows after the last packed row.
+// One warp per row: copies each valid row of every source to its packed row in 16-byte
+// pieces; the warps past B * S zero kTailRows rows after the last packed row.
 __global__ void __launch_bounds__(kCopyThreads)
-    gather_rows_kernel(RowSource a, RowSource b2, const std::int32_t* pos, const std::int32_t* cu,
-                       int B, std::int64_t S, int heads, int head_vecs) {
+    gather_rows_kernel(RowSources in, const std::int32_t* pos, const std::int32_t* cu, int B,
+                       std::int64_t S, int heads, int head_vecs) {
   const int lane = threadIdx.x & 31;
   const std::int64_t rows = static_cast<std::int64_t>(B) * S;
   const int row_vecs = heads * head_vecs;
@@ -125,28 +132,20 @@ __global__ void __launch_bounds__(kCopyThreads)
   const std::int64_t first_warp =
       (static_cast<std::int64_t>(blockIdx.x) * kCopyThreads + threadIdx.x) / 32;
   for (std::int64_t item = first_warp; item < rows + kTailRows; item += warps) {
-    if (item >= rows) {
-      const std::int64_t t = cu[B] + (item - rows);
-      if (t >= rows) continue;
-      for (int j = lane; j < row_vecs; j += 32) {
-        reinterpret_cast<uint4*>(a.dst)[t * row_vecs + j] = make_uint4(0, 0, 0, 0);
-        if (b2.src) reinterpret_cast<uint4*>(b2.dst)[t * row_vecs + j] = make_uint4(0, 0, 0, 0);
-      }
-      continue;
-    }
-    const int bi = static_cast<int>(item / S);
+    const bool tail = item >= rows;
+    const int bi = tail ? 0 : static_cast<int>(item / S);
     const std::int64_t s = item - bi * S;
-    const std::int64_t t = packed_row(pos, cu, bi, s, S);
-    if (t < 0) continue;
-    for (int j = lane; j < row_vecs; j += 32) {
-      const int h = j / head_vecs, c = j - h * head_vecs;
-      const std::int64_t off = bi * a.batch + s * a.row + h * a.head + c * 16;
-      reinterpret_cast<uint4*>(a.dst)[t * row_vecs + j] =
-          *reinterpret_cast<const uint4*>(a.src + off);
-      if (b2.src) {
-        const std::int64_t off2 = bi * b2.batch + s * b2.row + h * b2.head + c * 16;
-        reinterpret_cast<uint4*>(b2.dst)[t * row_vecs + j] =
-            *reinterpret_cast<const uint4*>(b2.src + off2);
+    const std::int64_t t = tail ? cu[B] + (item - rows) : packed_row(pos, cu, bi, s, S);
+    if (t < 0 || t >= rows) continue;
+#pragma unroll
+    for (int n = 0; n < RowSources::kMax; ++n) {  // unrolled: in.t stays in the parameters
+      if (n >= in.count) break;
+      const RowSource& r = in.t[n];
+      auto* dst = reinterpret_cast<uint4*>(r.dst) + t * row_vecs;
+      for (int j = lane; j < row_vecs; j += 32) {
+        const int h = j / head_vecs, c = j - h * head_vecs;
+        dst[j] = tail ? make_uint4(0, 0, 0, 0)
+                      : *reinterpret_cast<const uint4*>(r.src + r.strides.at(bi, s, h, c));
       }
     }
   }
@@ -155,7 +154,7 @@ __global__ void __launch_bounds__(kCopyThreads)
 struct OutputScatter {
   const char* packed_out = nullptr;  // null: the kernel wrote out in place
   char* out = nullptr;
-  std::int64_t out_batch = 0, out_row = 0, out_head = 0;  // bytes
+  ByteStrides out_strides;
   const float* packed_lse = nullptr;                       // [H, B * S]
   float* lse = nullptr;
   std::int64_t lse_batch = 0, lse_row = 0, lse_head = 0;  // elements
@@ -179,8 +178,7 @@ __global__ void __launch_bounds__(kCopyThreads)
     if (o.packed_out || t < 0) {
       for (int j = lane; j < row_vecs; j += 32) {
         const int h = j / head_vecs, c = j - h * head_vecs;
-        const std::int64_t off = bi * o.out_batch + s * o.out_row + h * o.out_head + c * 16;
-        *reinterpret_cast<uint4*>(o.out + off) =
+        *reinterpret_cast<uint4*>(o.out + o.out_strides.at(bi, s, h, c)) =
             t < 0 ? make_uint4(0, 0, 0, 0)
                   : reinterpret_cast<const uint4*>(o.packed_out)[t * row_vecs + j];
       }
@@ -191,11 +189,8 @@ __global__ void __launch_bounds__(kCopyThreads)
   }
 }
 
-int copy_grid(std::int64_t warps_wanted) {
-  int device = 0, sms = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute");
+// CTAs of a copy kernel with one warp per item: every item, at most 16 CTAs per SM.
+int copy_grid(std::int64_t warps_wanted, int sms) {
   const std::int64_t blocks = (warps_wanted + kCopyThreads / 32 - 1) / (kCopyThreads / 32);
   const std::int64_t cap = static_cast<std::int64_t>(sms) * 16;
   return static_cast<int>(blocks < cap ? (blocks > 0 ? blocks : 1) : cap);
@@ -261,9 +256,11 @@ bool forward_padding_packed(const AttentionParams& p, int head_dim, std::size_t 
   auto* pos_q = p.query_mask ? reinterpret_cast<std::int32_t*>(ws + at_pos_q) : nullptr;
   auto* packed_lse = reinterpret_cast<float*>(ws + at_lse);
   const int head_vecs = static_cast<int>(head_dim * elem_bytes / 16);
-  const auto bytes = [&](std::int64_t elems) {
-    return elems * static_cast<std::int64_t>(elem_bytes);
+  const auto byte_strides = [&](const RowStrides& st) {
+    const auto e = static_cast<std::int64_t>(elem_bytes);
+    return ByteStrides{st.batch * e, st.row * e, st.head * e};
   };
+  const int sms = cuda_sm80::current_sm_count();
 
   mask_ranks_kernel<<<B, kScanThreads, 0, stream>>>(p.key_mask, p.key_mask_batch,
                                                     p.key_mask_row, Sk, pos_k, cu_k);
@@ -273,17 +270,18 @@ bool forward_padding_packed(const AttentionParams& p, int head_dim, std::size_t 
                                                       p.query_mask_row, Sq, pos_q, cu_q);
   const std::int32_t every_row = p.query_mask ? 0 : static_cast<std::int32_t>(Sq);
   offsets_kernel<<<1, kScanThreads, 0, stream>>>(cu_q, B, every_row);
-  const RowSource k{static_cast<const char*>(p.k), bytes(p.k_strides.batch),
-                    bytes(p.k_strides.row), bytes(p.k_strides.head), ws + at_k};
-  const RowSource v{static_cast<const char*>(p.v), bytes(p.v_strides.batch),
-                    bytes(p.v_strides.row), bytes(p.v_strides.head), ws + at_v};
-  gather_rows_kernel<<<copy_grid(rows_k + kTailRows), kCopyThreads, 0, stream>>>(
-      k, v, pos_k, cu_k, B, Sk, p.heads_kv, head_vecs);
+  RowSources kv;
+  kv.t[0] = {static_cast<const char*>(p.k), byte_strides(p.k_strides), ws + at_k};
+  kv.t[1] = {static_cast<const char*>(p.v), byte_strides(p.v_strides), ws + at_v};
+  kv.count = 2;
+  gather_rows_kernel<<<copy_grid(rows_k + kTailRows, sms), kCopyThreads, 0, stream>>>(
+      kv, pos_k, cu_k, B, Sk, p.heads_kv, head_vecs);
   if (!q_in_place) {
-    const RowSource q{static_cast<const char*>(p.q), bytes(p.q_strides.batch),
-                      bytes(p.q_strides.row), bytes(p.q_strides.head), ws + at_q};
-    gather_rows_kernel<<<copy_grid(rows_q + kTailRows), kCopyThreads, 0, stream>>>(
-        q, RowSource{}, pos_q, cu_q, B, Sq, p.heads_q, head_vecs);
+    RowSources q;
+    q.t[0] = {static_cast<const char*>(p.q), byte_strides(p.q_strides), ws + at_q};
+    q.count = 1;
+    gather_rows_kernel<<<copy_grid(rows_q + kTailRows, sms), kCopyThreads, 0, stream>>>(
+        q, pos_q, cu_q, B, Sq, p.heads_q, head_vecs);
   }
   check_cuda(cudaGetLastError(), "packing the padded rows");
 
@@ -317,15 +315,13 @@ bool forward_padding_packed(const AttentionParams& p, int head_dim, std::size_t 
     OutputScatter o;
     o.packed_out = q_in_place ? nullptr : ws + at_out;
     o.out = static_cast<char*>(p.out);
-    o.out_batch = bytes(p.out_strides.batch);
-    o.out_row = bytes(p.out_strides.row);
-    o.out_head = bytes(p.out_strides.head);
+    o.out_strides = byte_strides(p.out_strides);
     o.packed_lse = packed_lse;
     o.lse = p.lse;
     o.lse_batch = p.lse_strides.batch;
     o.lse_row = p.lse_strides.row;
     o.lse_head = p.lse_strides.head;
-    scatter_output_kernel<<<copy_grid(rows_q), kCopyThreads, 0, stream>>>(
+    scatter_output_kernel<<<copy_grid(rows_q, sms), kCopyThreads, 0, stream>>>(
         o, pos_q, cu_q, B, Sq, p.heads_q, head_vecs);
     check_cuda(cudaGetLastError(), "scattering the packed output");
   }
