@@ -317,32 +317,45 @@ def test_sm90_cta_pairs_match_reference(shape):
     takes_sm90(lambda: run_and_check(q, k, v, seed=seed, check_grads=False))
 
 
+# A fresh process (the kernel switches are read once per process) that runs
+# vidattn.attention on seeded inputs of each (B, Sq, Sk, Hq, Hkv, D, dtype name, causal) in
+# argv[2] and saves every output and LSE to argv[1].
+ATTENTION_IN_A_PROCESS = (
+    "import ast, sys, torch, vidattn\n"
+    "outs = []\n"
+    "for i, (b, sq, sk, hq, hkv, d, dt, causal) in enumerate(ast.literal_eval(sys.argv[2])):\n"
+    "    g = torch.Generator(device='cuda').manual_seed(i)\n"
+    "    q, k, v = (torch.randn(b, s, h, d, generator=g, device='cuda', dtype=getattr(torch, dt))\n"
+    "               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))\n"
+    "    outs += list(vidattn.attention(q, k, v, causal=causal, return_lse=True))\n"
+    "torch.save([o.cpu() for o in outs], sys.argv[1])\n")
+
+
+def attention_in_a_process(tmp_path, shapes, **switches):
+    """Outputs and LSEs of ATTENTION_IN_A_PROCESS with the environment variables `switches`
+    set (None: unset)."""
+    env = dict(os.environ)
+    for name, value in switches.items():
+        env.pop(name, None)
+        if value is not None:
+            env[name] = value
+    path = tmp_path / ("run_" + "_".join(f"{k}={v}" for k, v in switches.items()) + ".pt")
+    res = subprocess.run([sys.executable, "-c", ATTENTION_IN_A_PROCESS, str(path), repr(shapes)],
+                         env=env, capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    return torch.load(path)
+
+
 def test_sm90_cta_pairs_give_the_bits_of_single_ctas(tmp_path):
     """VIDATTN_SM90_CLUSTER=0 runs the pairs' problems on single CTAs: the same arithmetic in
     the same order, so the same output and LSE bits (and a pair that loaded a wrong half of
     a block, or read a slot its partner had not filled, would not give them)."""
-    code = (
-        "import sys, torch, vidattn\n"
-        f"shapes = {[c[:6] + (str(c[6]),) for c in PAIR_SHAPES]!r}\n"
-        "outs = []\n"
-        "for i, (b, sq, sk, hq, hkv, d, dt) in enumerate(shapes):\n"
-        "    g = torch.Generator(device='cuda').manual_seed(i)\n"
-        "    dt = getattr(torch, dt.split('.')[1])\n"
-        "    q, k, v = (torch.randn(b, s, h, d, generator=g, device='cuda', dtype=dt)\n"
-        "               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))\n"
-        "    outs += list(vidattn.attention(q, k, v, return_lse=True))\n"
-        "torch.save([o.cpu() for o in outs], sys.argv[1])\n")
-    got = {}
-    for setting in ("1", "0"):
-        path = tmp_path / f"cluster{setting}.pt"
-        env = dict(os.environ, VIDATTN_SM90_CLUSTER=setting)
-        res = subprocess.run([sys.executable, "-c", code, str(path)], env=env,
-                             capture_output=True, text=True, timeout=180)
-        assert res.returncode == 0, res.stderr
-        got[setting] = torch.load(path)
-    for paired, single in zip(got["1"], got["0"]):
-        assert paired.isfinite().all()
-        assert torch.equal(paired, single)
+    shapes = [c[:6] + (str(c[6]).split(".")[1], False) for c in PAIR_SHAPES]
+    paired = attention_in_a_process(tmp_path, shapes, VIDATTN_SM90_CLUSTER="1")
+    single = attention_in_a_process(tmp_path, shapes, VIDATTN_SM90_CLUSTER="0")
+    for p, s in zip(paired, single):
+        assert p.isfinite().all()
+        assert torch.equal(p, s)
 
 
 # Problems with at most 4096 keys run on the persistent grid (the producer loads the next tile
@@ -357,30 +370,12 @@ def test_sm90_grid_choice_keeps_the_bits(tmp_path):
     (VIDATTN_SM90_GRID=tiles) run the same tile arithmetic: the same output and LSE bits, and
     both follow the rule. A persistent CTA that skipped or repeated a tile would not give
     them."""
-    code = (
-        "import sys, torch, vidattn\n"
-        f"shapes = {SHORT_KEY_SHAPES!r}\n"
-        "outs = []\n"
-        "for i, (b, sq, sk, hq, hkv, d, causal) in enumerate(shapes):\n"
-        "    g = torch.Generator(device='cuda').manual_seed(i)\n"
-        "    q, k, v = (torch.randn(b, s, h, d, generator=g, device='cuda', dtype=torch.bfloat16)\n"
-        "               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))\n"
-        "    outs += list(vidattn.attention(q, k, v, causal=causal, return_lse=True))\n"
-        "torch.save([o.cpu() for o in outs], sys.argv[1])\n")
-    got = {}
-    for setting in ("auto", "tiles"):
-        path = tmp_path / f"grid_{setting}.pt"
-        env = dict(os.environ)
-        env.pop("VIDATTN_SM90_GRID", None)
-        if setting == "tiles":
-            env["VIDATTN_SM90_GRID"] = "tiles"
-        res = subprocess.run([sys.executable, "-c", code, str(path)], env=env,
-                             capture_output=True, text=True, timeout=180)
-        assert res.returncode == 0, res.stderr
-        got[setting] = torch.load(path)
-    for persistent, tiles in zip(got["auto"], got["tiles"]):
+    shapes = [c[:6] + ("bfloat16", c[6]) for c in SHORT_KEY_SHAPES]
+    auto = attention_in_a_process(tmp_path, shapes, VIDATTN_SM90_GRID=None)
+    tiles = attention_in_a_process(tmp_path, shapes, VIDATTN_SM90_GRID="tiles")
+    for persistent, one_per_tile in zip(auto, tiles):
         assert persistent.isfinite().any()
-        assert torch.equal(persistent, tiles)
+        assert torch.equal(persistent, one_per_tile)
 
 
 @pytest.mark.parametrize("shape", SHORT_KEY_SHAPES,
