@@ -158,12 +158,11 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
   // Static schedule: the slots of this CTA. Stream items: taken one at a time, each once the
   // previous tile's loads are issued, so the atomic's latency passes while the consumers
   // finish that tile and no stream holds an item it cannot start soon.
-  const int rounds_end = p.sched.rounds_end(gridDim.x);
   for (int slot = blockIdx.x;; slot += gridDim.x) {
     if constexpr (Traits::kStreamItems) {
       slot = p.items.take();
       if (slot < 0) break;
-    } else if (slot >= rounds_end) {
+    } else if (slot >= p.sched.slots_end) {
       break;
     }
     StreamTile t;  // assigned, not initialised: the SASS measured in v16 (ptxas reorders
@@ -343,14 +342,13 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   };
   // Static schedule: the slots of this CTA. Stream items: the item that comes with each Q
   // (-1: no more), waited for here.
-  const int rounds_end = p.sched.rounds_end(gridDim.x);
   for (int slot = blockIdx.x;; slot += gridDim.x) {
     if constexpr (Traits::kStreamItems) {
       Barrier::wait(&st.q_full, q_phase);
       q_phase ^= 1u;
       slot = st.item;
       if (slot < 0) break;
-    } else if (slot >= rounds_end) {
+    } else if (slot >= p.sched.slots_end) {
       break;
     }
     StreamTile t = tile_of_slot(p, slot, stream);

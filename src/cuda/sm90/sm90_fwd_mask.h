@@ -129,10 +129,8 @@ struct DenseKeyRange {
 template <int kBlockN, bool kHalves_ = false>
 struct SparseKeyList {
   static constexpr bool kElementMask = false;  // only the per-tile valid length
-  // 4-byte stores straight from the accumulator: the 16-byte ones were measured on dense
-  // problems only (docs/perf-notes.md, v24), and these kernels keep the code they were
-  // measured with.
-  static constexpr bool kQuadStores = false;
+  // 16-byte stores gathered across each quad (docs/perf-notes.md, v24 and v25).
+  static constexpr bool kQuadStores = true;
   static constexpr bool kKeyFlags = false;
   // block(i) reads the index (and block sizes) from global memory: the producer, which
   // needs it for the load anyway, records each block's valid length in shared memory.

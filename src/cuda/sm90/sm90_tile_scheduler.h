@@ -27,11 +27,14 @@ struct TileScheduler {
   int heads = 0;
   int batch = 0;
   bool longest_first = false;  // causal
+  // Slots run over whole rounds, [0, slots_end) with slots_end a multiple of the grid; set by
+  // the host (set_grid) so the kernels read it from the parameter bank at each loop test
+  // rather than keep it live across the key loop, where ptxas spilled it.
+  int slots_end = 0;
 
   __host__ __device__ int total_tiles() const { return num_m_blocks * heads * batch; }
-  // Slots run over whole rounds: [0, rounds_end) with rounds_end a multiple of the grid.
-  __host__ __device__ int rounds_end(int grid) const {
-    return (total_tiles() + grid - 1) / grid * grid;
+  __host__ void set_grid(int grid) {
+    slots_end = grid > 0 ? (total_tiles() + grid - 1) / grid * grid : 0;
   }
 
   __device__ __forceinline__ TileCoord decode(int slot, int grid) const {
