@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
-# One GPU-machine call that checks a candidate op library and measures it against a baseline:
-# the sm_90a tests and compute-sanitizer (memcheck, racecheck) on tools/sm90_smoke.py with the
-# candidate, then library A/B runs (tools/lib_ab.sh, alternating within each round) of
+# One GPU-machine call that checks candidate op libraries and measures them against a
+# baseline: the sm_90a tests and compute-sanitizer (memcheck, racecheck) on
+# tools/sm90_smoke.py with each candidate, then library A/B runs (tools/lib_ab.sh,
+# alternating within each round) of
 #  * dense forward against cuDNN (tools/bench_dense_cuda.py --fwd-vs-cudnn, DENSE_SHAPES),
 #  * the sm_90a block-sparse rows (bench_dense_cuda.py, ours only, one dense shape first),
 #  * the whole VSA forward (tools/vsa_lib_ab.sh, VSA_ARGS; default Wan 480p).
 #   NEW=build/carry/new.so OLD=build/carry/old.so OUT=$OUT ROUNDS=2 STAGES="pytest sanitizer
 #     dense sparse vsa" bash tools/lib_ab_device_run.sh
+# NEW may name several candidates, "a=x.so b=y.so" (a bare path is called "new").
 # Logs under $OUT; a summary on stdout.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-NEW=${NEW:?NEW=candidate library}
+NEW=${NEW:?NEW=candidate library, or NAME=LIB ...}
 OLD=${OLD:?OLD=baseline library}
 OUT=${OUT:-$(pwd)/lib-ab-run}
 STAGES=${STAGES:-"pytest sanitizer dense sparse vsa"}
@@ -21,7 +23,8 @@ export ROUNDS=${ROUNDS:-2}
 mkdir -p "$OUT"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)/python${PYTHONPATH:+:$PYTHONPATH}
-cp "$NEW" python/vidattn/_vidattn_ops.so || exit 1
+candidates=()
+for spec in $NEW; do [[ $spec == *=* ]] && candidates+=("$spec") || candidates+=("new=$spec"); done
 t0=$SECONDS
 log() { echo "[$((SECONDS - t0))s] $*"; }
 # One line per row: each library's TFLOP/s per round (cuDNN's in brackets), read from
@@ -48,35 +51,39 @@ for key, libs in table.items():
 EOF
 }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,power.limit --format=csv | tee "$OUT/env.log"
-if has pytest; then
-  # shellcheck disable=SC2086  # a list of files
-  timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -rfE -p no:cacheprovider $PYTEST_FILES \
-    >"$OUT/pytest.log" 2>&1
-  log "pytest rc=$?: $(tail -n 1 "$OUT/pytest.log")"
-fi
-if has sanitizer; then
-  for tool in memcheck racecheck; do
-    timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 3 --kernel-name kns=vidattn \
-      python3 tools/sm90_smoke.py >"$OUT/sanitizer_$tool.log" 2>&1
-    log "$tool rc=$?: $(grep -E 'SUMMARY' "$OUT/sanitizer_$tool.log" | tr '\n' ' ')"
-  done
-fi
+for spec in "${candidates[@]}"; do
+  name=${spec%%=*}
+  cp "${spec#*=}" python/vidattn/_vidattn_ops.so || exit 1
+  if has pytest; then
+    # shellcheck disable=SC2086  # a list of files
+    timeout "${PYTEST_TIMEOUT:-300}" python3 -m pytest -q -rfE -p no:cacheprovider $PYTEST_FILES \
+      >"$OUT/pytest_$name.log" 2>&1
+    log "$name: pytest rc=$?: $(tail -n 1 "$OUT/pytest_$name.log")"
+  fi
+  if has sanitizer; then
+    for tool in memcheck racecheck; do
+      timeout 200 compute-sanitizer --tool "$tool" --error-exitcode 3 --kernel-name kns=vidattn \
+        python3 tools/sm90_smoke.py >"$OUT/sanitizer_${tool}_$name.log" 2>&1
+      log "$name: $tool rc=$?: $(grep -E 'SUMMARY' "$OUT/sanitizer_${tool}_$name.log" | tr '\n' ' ')"
+    done
+  fi
+done
 if has dense; then
   log "dense forward against cuDNN"
   # shellcheck disable=SC2086  # a list of shapes
-  bash tools/lib_ab.sh tools/bench_dense_cuda.py new="$NEW" old="$OLD" -- "$OUT/dense.json" \
+  bash tools/lib_ab.sh tools/bench_dense_cuda.py "${candidates[@]}" old="$OLD" -- "$OUT/dense.json" \
     --fwd-vs-cudnn --shapes $DENSE_SHAPES >"$OUT/dense_ab.log" 2>&1
   summarize "$OUT/dense_ab.log"
 fi
 if has sparse; then
   log "block-sparse rows (ours only)"
-  BENCH_OURS_ONLY=1 bash tools/lib_ab.sh tools/bench_dense_cuda.py new="$NEW" old="$OLD" -- \
+  BENCH_OURS_ONLY=1 bash tools/lib_ab.sh tools/bench_dense_cuda.py "${candidates[@]}" old="$OLD" -- \
     "$OUT/sparse.json" --shapes 1,39936,12,128 >"$OUT/sparse_ab.log" 2>&1
   summarize "$OUT/sparse_ab.log"
 fi
 if has vsa; then
   log "whole VSA forward"
   # shellcheck disable=SC2086  # a list of arguments
-  bash tools/vsa_lib_ab.sh new="$NEW" old="$OLD" -- $VSA_ARGS 2>&1 | tee "$OUT/vsa_ab.log"
+  bash tools/vsa_lib_ab.sh "${candidates[@]}" old="$OLD" -- $VSA_ARGS 2>&1 | tee "$OUT/vsa_ab.log"
 fi
 log "done"

@@ -92,15 +92,6 @@ struct DenseKeyRange {
                    (causal && b.start + kBlockN - 1 > q0 + len_k - len_q);
     return b;
   }
-  // Whether query row `i` (sequence row) may see key `j` of block b (j - b.start < valid
-  // is checked by the caller); the per-value path of apply_mask. Its key-mask test never
-  // runs (key masks go to the kKeyMask instance) but stays: this code, as it is, gives the
-  // unmasked kernels the SASS they were measured with (see apply_mask).
-  __device__ __forceinline__ bool visible(std::int64_t i, std::int64_t j) const {
-    if (causal && j > i + len_k - len_q) return false;
-    if (key_mask && !key_mask[j * key_mask_row]) return false;
-    return true;
-  }
   // How many of the `valid` keys from `start` on query row `i` (sequence row) may see: a
   // prefix, cut by the causal rule (key j visible iff j <= i + len_k - len_q); the key mask
   // is applied by key_flags.
@@ -221,11 +212,10 @@ template <class Visit, class Frag, class Coords>
 __device__ __forceinline__ void apply_mask(Frag& s, const Coords& coords, const Visit& visit,
                                            const KeyBlock& kb, std::int64_t q0) {
   constexpr int kVals = decltype(cute::size(s))::value;
-  if constexpr (!Visit::kKeyFlags) {
-    // Everything but key padding: a test per value. The limits below cut the 64-token
-    // sparse kernel's loop by 26 instructions and a causal block's by ~60%, but ptxas then
-    // scheduled the unmasked loops differently: the Wan VSA shapes measured 1.5-4% slower
-    // and unmasked dense D = 128 up to 6% (docs/perf-notes.md, v15).
+  if constexpr (!Visit::kElementMask) {
+    // Block-sparse lists: only each tile's valid keys, a test per value. Limits as below cut
+    // the 64-token loop by 26 instructions, but ptxas then scheduled its unmasked blocks
+    // differently and the Wan VSA shapes measured 1.5-4% slower (docs/perf-notes.md, v15).
 #pragma unroll
     for (int v = 0; v < kVals; ++v) {
       const int col = cute::get<1>(coords(v));
@@ -236,40 +226,42 @@ __device__ __forceinline__ void apply_mask(Frag& s, const Coords& coords, const 
       } else {
         ok = col < kb.valid;
       }
-      if constexpr (Visit::kElementMask)
-        ok = ok && visit.visible(q0 + cute::get<0>(coords(v)), kb.start + col);
       if (!ok) s(v) = -INFINITY;
     }
   } else {
+    // Dense (partial last block, causal diagonal, key padding): each of the thread's two
+    // rows gets one column limit, so a value costs one compare against it (and, with key
+    // padding, a bit test). The per-value causal test this replaced made the masked block
+    // ~4x an unmasked one's instructions: at 257 keys, one block in three, it cost the
+    // kernel 24% (docs/perf-notes.md, v26).
     static_assert(kVals == Visit::kBlockKeys / 2, "one 64-row wgmma atom per warpgroup");
     const int quad = threadIdx.x & 3;
-    static_assert(!Visit::kHalves, "half-loaded blocks take the per-value path above");
+    static_assert(!Visit::kHalves, "half-loaded blocks are block-sparse");
     int limit[2];  // value v is visible iff 8 (v / 4) + v % 2 < limit[(v / 2) % 2]
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      int keys = kb.valid;
-      if constexpr (Visit::kElementMask)
-        keys = visit.visible_keys(q0 + cute::get<0>(coords(2 * r)), kb.start, keys);
-      limit[r] = keys - 2 * quad;
-    }
+    for (int r = 0; r < 2; ++r)
+      limit[r] = visit.visible_keys(q0 + cute::get<0>(coords(2 * r)), kb.start, kb.valid) -
+                 2 * quad;
     std::uint32_t key_bits[2] = {~0u, ~0u};
-    if (visit.key_mask != nullptr) {
-      std::uint32_t words[4];
+    if constexpr (Visit::kKeyFlags) {
+      if (visit.key_mask != nullptr) {
+        std::uint32_t words[4];
 #pragma unroll
-      for (int b = 0; b < 4; ++b) words[b] = __ballot_sync(~0u, (kb.key_flags >> b) & 1u);
-      // Every key of the block present (the flags cover 128 keys from its start) and both
-      // rows seeing the whole block: nothing to mask, as in most blocks of a padded suffix.
-      if ((words[0] & words[1] & words[2] & words[3]) == ~0u &&
-          min(limit[0], limit[1]) >= Visit::kBlockKeys - 2 * quad)
-        return;
-      key_bits[0] = ((quad & 1) ? words[2] : words[0]) >> (quad >> 1);
-      key_bits[1] = ((quad & 1) ? words[3] : words[1]) >> (quad >> 1);
+        for (int b = 0; b < 4; ++b) words[b] = __ballot_sync(~0u, (kb.key_flags >> b) & 1u);
+        // Every key of the block present (the flags cover 128 keys from its start) and both
+        // rows seeing the whole block: nothing to mask, as in most blocks of a padded suffix.
+        if ((words[0] & words[1] & words[2] & words[3]) == ~0u &&
+            min(limit[0], limit[1]) >= Visit::kBlockKeys - 2 * quad)
+          return;
+        key_bits[0] = ((quad & 1) ? words[2] : words[0]) >> (quad >> 1);
+        key_bits[1] = ((quad & 1) ? words[3] : words[1]) >> (quad >> 1);
+      }
     }
 #pragma unroll
     for (int v = 0; v < kVals; ++v) {
       const int group = v / 4, col = 8 * group + (v & 1);  // less the thread's 2 (lane % 4)
       bool ok = col < limit[(v >> 1) & 1];
-      ok = ok && ((key_bits[v & 1] >> (2 * group)) & 1u);
+      if constexpr (Visit::kKeyFlags) ok = ok && ((key_bits[v & 1] >> (2 * group)) & 1u);
       if (!ok) s(v) = -INFINITY;
     }
   }
