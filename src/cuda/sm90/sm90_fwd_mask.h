@@ -229,11 +229,9 @@ __device__ __forceinline__ void apply_mask(Frag& s, const Coords& coords, const 
       if (!ok) s(v) = -INFINITY;
     }
   } else {
-    // Dense (partial last block, causal diagonal, key padding): each of the thread's two
-    // rows gets one column limit, so a value costs one compare against it (and, with key
-    // padding, a bit test). The per-value causal test this replaced made the masked block
-    // ~4x an unmasked one's instructions: at 257 keys, one block in three, it cost the
-    // kernel 24% (docs/perf-notes.md, v26).
+    // Dense (partial last block, causal diagonal, key padding): the row limits described
+    // above. Until v26 the unmasked instance still tested each value (at 257 keys, one
+    // masked block in three, that cost the kernel 24%; docs/perf-notes.md).
     static_assert(kVals == Visit::kBlockKeys / 2, "one 64-row wgmma atom per warpgroup");
     const int quad = threadIdx.x & 3;
     static_assert(!Visit::kHalves, "half-loaded blocks are block-sparse");
