@@ -60,6 +60,23 @@ def test_sm90_forward_matches_reference(case, input_scale):
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
+# Key lengths around the 128-key block boundary: the last block holds 1, 63, 64, 65 or 127
+# keys (or none), and the masked step cuts each accumulator row at one column limit (v26 of
+# docs/perf-notes.md), which must land between a lane's two columns and between lanes alike;
+# with causal, the diagonal crosses the same blocks. 203 queries: a partial last query tile.
+@pytest.mark.parametrize("Sk", [129, 191, 192, 193, 255, 256])
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_key_lengths_across_a_block_boundary(causal, D, Sk):
+    seed = zlib.crc32(repr(("block boundary", causal, D, Sk)).encode())
+    g = gen(seed)
+    B, Sq, Hq, Hkv = 1, 203, 3, 1
+    q = randn((B, Sq, Hq, D), torch.float16, g, 16.0)
+    k = randn((B, Sk, Hkv, D), torch.float16, g, 16.0)
+    v = randn((B, Sk, Hkv, D), torch.float16, g)
+    takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
+
+
 @pytest.mark.parametrize("Sq,Sk,D", [(3000, 3000, 128), (600, 8300, 64)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_logits_growing_along_the_keys(causal, Sq, Sk, D):
