@@ -408,6 +408,26 @@ def test_sm90_short_keys_match_reference(shape):
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
+# The dense single-CTA kernel writes its output through shared memory and a TMA store
+# (VIDATTN_SM90_TMA_STORE_O=0: each thread's own stores): short key loops, fp16, D = 64, query
+# lengths that end inside a warpgroup's 64 rows, causal on one CTA per tile (5000 keys).
+TMA_STORE_SHAPES = [c[:6] + ("bfloat16", c[6]) for c in SHORT_KEY_SHAPES] + [
+    (1, 1000, 512, 2, 2, 128, "float16", False), (1, 999, 300, 3, 3, 64, "bfloat16", False),
+    (1, 5000, 5000, 2, 2, 128, "bfloat16", True)]
+
+
+def test_sm90_output_by_tma_keeps_the_bits(tmp_path):
+    """The TMA store moves the same values as the threads' stores: the same output and LSE
+    bits. A store to the wrong rows, a slot rewritten before its previous store read it, or
+    rows past the sequence left unwritten or overwritten would not give them."""
+    by_tma = attention_in_a_process(tmp_path, TMA_STORE_SHAPES, VIDATTN_SM90_TMA_STORE_O=None)
+    by_threads = attention_in_a_process(tmp_path, TMA_STORE_SHAPES, VIDATTN_SM90_TMA_STORE_O="0")
+    assert len(by_tma) == 2 * len(TMA_STORE_SHAPES)
+    for a, b in zip(by_tma, by_threads):
+        assert a.isfinite().any()
+        assert torch.equal(a, b)
+
+
 def test_misaligned_views_fall_back():
     """Rows that TMA cannot read (2-byte offset) take the portable path, still correct.
     (run_and_check clones its inputs, which would realign them: call the op directly.)"""

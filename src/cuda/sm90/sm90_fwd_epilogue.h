@@ -12,6 +12,7 @@
 
 #include "../sm80/softmax_mask.h"
 #include "../sm80/tile_io.h"
+#include "sm90_fwd_kernel_params.h"
 #include "sm90_fwd_params.h"
 #include "sm90_fwd_softmax.h"
 
@@ -128,6 +129,73 @@ __device__ __forceinline__ void write_output_pairs(const AttentionParams& p, con
     if ((lane & 3) == 0)
       p.lse[cuda_sm80::q_side_offset(p, p.lse_strides, seq, i, h)] =
           empty ? -INFINITY : sm.row_max[r] * 0.6931471805599453f + logf(sum);
+  }
+}
+
+// Traits::kTmaStoreO: the warpgroup's 64 rows (from row q0 + 64 wg of the stream tile) into
+// its shared-memory slot by stmatrix, then one TMA store by one thread; zeros and the LSE as
+// above. TMA
+// drops rows past the view's end (batched layouts); the caller takes the threads' own stores
+// when a varlen sequence ends inside the warpgroup's rows. The slot is rewritten only after
+// the previous store has read it (bulk wait_group.read before the first barrier).
+template <class Traits, class Frag, class Coords>
+__device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits>& p,
+                                                    typename Traits::StreamStorage& st,
+                                                    const Sequence& seq, int h, int tb,
+                                                    std::int64_t q0, const Frag& o,
+                                                    const Coords& coords, OnlineSoftmax& sm,
+                                                    std::int64_t row_limit, int wg, int wg_tid) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int D = Traits::kHeadDim;
+  static_assert(Traits::kStreams == 1, "named barriers 4 + wg serve one stream");
+  const AttentionParams& a = p.attn;
+  const int lane = threadIdx.x & 31;
+  float inv[2];
+  bool empty[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float sum = cuda_sm80::quad_sum(sm.row_sum[r]);  // the whole row (quad)
+    const std::int64_t i = q0 + get<0>(coords(2 * r));
+    const bool valid = i < seq.len_q;
+    empty[r] = !(sum > 0.f);
+    if (valid && a.query_mask &&
+        !a.query_mask[seq.batch * a.query_mask_batch + i * a.query_mask_row])
+      empty[r] = true;
+    if (i >= row_limit) empty[r] = true;
+    inv[r] = empty[r] ? 0.f : 1.f / sum;
+    if (valid && (lane & 3) == 0)
+      a.lse[cuda_sm80::q_side_offset(a, a.lse_strides, seq, i, h)] =
+          empty[r] ? -INFINITY : sm.row_max[r] * 0.6931471805599453f + logf(sum);
+  }
+  // Values 2j and 2j + 1 share a row: row half j % 2 (wgmma's accumulator order). Exact zeros
+  // for empty rows (0 * NaN is NaN).
+  Tensor out = make_tensor_like<Element>(o);
+  Tensor out32 = recast<std::uint32_t>(out);
+#pragma unroll
+  for (int j = 0; j < size(out32); ++j) {
+    const int r = j & 1;
+    out32(j) = empty[r] ? 0u : pack_pair<Element>(o(2 * j) * inv[r], o(2 * j + 1) * inv[r]);
+  }
+  Tensor sO = make_tensor(make_smem_ptr(st.o.data()), typename Traits::SmemLayoutO{})(_, _, wg);
+  const int bar = 4 + wg;
+  if (wg_tid == 0) tma_store_wait<0>();
+  asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
+  auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{},
+                                     typename Traits::MmaPVOneWG{});
+  auto thr_copy = smem_copy.get_thread_slice(wg_tid);
+  copy(smem_copy, thr_copy.retile_S(out), thr_copy.partition_D(sO));
+  tma_store_fence();  // the generic-proxy writes above, seen by the TMA store
+  asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
+  if (wg_tid == 0) {
+    Tensor mO = p.tma_o.get_tma_tensor(make_shape(p.q_rows, Int<D>{}, a.heads_q, p.tma_batch));
+    const int q_base = a.varlen ? static_cast<int>(seq.first_q) : 0;
+    Tensor gO = local_tile(domain_offset(make_coord(q_base + static_cast<int>(q0) + 64 * wg, _0{}),
+                                         mO(_, _, h, tb)),
+                           Shape<_64, Int<D>>{}, make_coord(_0{}, _0{}));
+    auto cta = p.tma_o.get_slice(_0{});
+    copy(p.tma_o, cta.partition_S(sO), cta.partition_D(gO));
+    tma_store_arrive();
   }
 }
 

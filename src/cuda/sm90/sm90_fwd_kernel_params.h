@@ -26,6 +26,11 @@ struct FwdKernelParams {
   StreamItems items;          // Traits::kStreamItems only
   CombineArgs combine;        // Traits::kFusedCombine only
   std::conditional_t<Traits::kPrefixLoads, PrefixLoadMaps, NoPrefixLoadMaps> prefix;
+  // Traits::kTmaStoreO: the output's store descriptor, when the output's layout allows TMA
+  // (else the threads store it themselves).
+  struct NoTmaO {};
+  std::conditional_t<Traits::kTmaStoreO, typename Traits::TmaO, NoTmaO> tma_o;
+  bool store_o_by_tma = false;
 };
 
 }  // namespace vidattn::cuda_sm90

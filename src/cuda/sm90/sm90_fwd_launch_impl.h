@@ -29,8 +29,10 @@ using CutlassElement =
 // Dense: one 128-row stream of two warpgroups, 128-key blocks, two stages, at D = 64 and 128.
 // Longer blocks (192 at D = 64; 144 to 176 at D = 128 with the extended wgmma shapes) were
 // slower once the unmasked blocks ran without mask code (docs/perf-notes.md, Hopper v11).
+// Output by TMA from shared memory (32 KB at D = 128): short key loops spend a large share of
+// each tile writing it.
 template <class T, int D>
-using DenseTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2>;
+using DenseTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2, false, false, false, 1, true>;
 // Dense D = 128 in CTA pairs sharing every K / V load (TMA multicast): L2 sends each block
 // once per two query tiles. Under the H200's power cap, moving bytes out of L2 costs clock
 // (docs/perf-notes.md, Hopper v21). D = 64 on the 192-row tile, whose softmax rather than
@@ -101,6 +103,30 @@ inline float rescale_slack() {
     return v != nullptr ? std::strtof(v, nullptr) : 8.f;
   }();
   return slack;
+}
+
+// VIDATTN_SM90_TMA_STORE_O=0 keeps the dense output on the threads' own stores (for measuring
+// the TMA store; read once).
+inline bool tma_store_o_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("VIDATTN_SM90_TMA_STORE_O");
+    return !(v != nullptr && v[0] == '0');
+  }();
+  return on;
+}
+
+// Whether TMA can write the output through gmem_view's (rows, D, heads, batch) view: base
+// 16-byte aligned and every stride that matters a multiple of 16 bytes (the inputs are
+// checked before dispatch; the output may be any view the caller passed).
+inline bool output_tma_compatible(const AttentionParams& a, std::int64_t rows, int batch,
+                                  std::size_t elem) {
+  if (reinterpret_cast<std::uintptr_t>(a.out) % 16 != 0) return false;
+  auto ok = [&](std::int64_t extent, std::int64_t stride) {
+    const std::int64_t bytes = stride * static_cast<std::int64_t>(elem);
+    return extent <= 1 || (bytes > 0 && bytes % 16 == 0 && bytes < (std::int64_t{1} << 40));
+  };
+  return ok(rows, a.out_strides.row) && ok(a.heads_q, a.out_strides.head) &&
+         ok(batch, a.out_strides.batch);
 }
 
 // VIDATTN_SM90_D64_WIDE=0 keeps D = 64 on the 128-row tile at every length (for measuring
@@ -290,6 +316,16 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.tma_v = make_tma_copy(KVOp{},
                           gmem_view<Traits>(a.v, p.kv_rows, a.heads_kv, p.tma_batch, a.v_strides),
                           typename Traits::SmemLayoutKVLoad{}, kCluster);
+  if constexpr (Traits::kTmaStoreO) {
+    p.store_o_by_tma = tma_store_o_enabled() &&
+                       output_tma_compatible(a, p.q_rows, p.tma_batch,
+                                             sizeof(typename Traits::Element));
+    if (p.store_o_by_tma)
+      p.tma_o = make_tma_copy(
+          SM90_TMA_STORE{},
+          gmem_view<Traits>(a.out, p.q_rows, a.heads_q, p.tma_batch, a.out_strides),
+          typename Traits::SmemLayoutOStore{});
+  }
   p.sched.num_m_blocks = static_cast<int>((a.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
   p.sched.heads = a.heads_q;
   p.sched.batch = a.batch;

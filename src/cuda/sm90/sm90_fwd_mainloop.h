@@ -474,11 +474,24 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     release(&st.v_empty[prev.stage]);
-    write_output<Element, Visit::kQuadStores>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax,
-                                              row_limit);
+    bool stored = false;
+    if constexpr (Traits::kTmaStoreO) {
+      const int wg = tid / 128;
+      if (p.store_o_by_tma && (!p.attn.varlen || t.q0 + 64 * (wg + 1) <= t.seq.len_q)) {
+        write_output_by_tma<Traits>(p, st, t.seq, t.head, p.attn.varlen ? 0 : t.batch, t.q0,
+                                    tOrO, tOcO, softmax, row_limit, wg, tid % 128);
+        stored = true;
+      }
+    }
+    if (!stored)
+      write_output<Element, Visit::kQuadStores>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO,
+                                                softmax, row_limit);
     hand_over(slot);
   }
   hand_over(-1);
+  // The shared-memory slot must outlive the TMA store's reads of it.
+  if constexpr (Traits::kTmaStoreO)
+    if (tid % 128 == 0) cute::tma_store_wait<0>();
 }
 
 }  // namespace vidattn::cuda_sm90

@@ -32,7 +32,7 @@ namespace vidattn::cuda_sm90 {
 // every K / V block into all of them (multicast), so L2 sends each block once per cluster.
 template <class Element_, int kHeadDim_, int kBlockN_, int kWGPerStream_, int kStreams_,
           int kStagesK_, int kStagesV_, bool kHalfLoads_ = false, bool kStreamItems_ = false,
-          bool kFusedCombine_ = false, int kClusterM_ = 1>
+          bool kFusedCombine_ = false, int kClusterM_ = 1, bool kTmaStoreO_ = false>
 struct FwdTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
   static constexpr int kHeadDim = kHeadDim_;
@@ -45,6 +45,12 @@ struct FwdTraits {
   static constexpr bool kStreamItems = kStreamItems_;
   static constexpr bool kFusedCombine = kFusedCombine_;
   static constexpr int kClusterM = kClusterM_;
+  // kTmaStoreO: each warpgroup writes its 64 output rows into shared memory (stmatrix) and one
+  // of its threads stores them by TMA, instead of 16-byte stores from every thread (short key
+  // loops, where the output is a large share of a tile's work; sm90_fwd_epilogue.h).
+  static constexpr bool kTmaStoreO = kTmaStoreO_;
+  static_assert(!kTmaStoreO || (!kStreamItems && kClusterM == 1),
+                "the TMA output store serves the dense single-CTA kernel");
   // Pairs only: clusters of 4 saved more power but lost 8% of the work per clock, -3% in all
   // (docs/perf-notes.md, Hopper v21).
   static_assert(kClusterM == 1 || (kClusterM == 2 && !kStreamItems && !kHalfLoads),
@@ -142,6 +148,17 @@ struct FwdTraits {
   static_assert(SmemLayoutK{}(cute::make_coord(16, 0, 0)) == 16 * 64);
   static_assert(kHeadDim == 64 ||
                 SmemLayoutK{}(cute::make_coord(0, 64, 0)) == kBlockN * 64);
+  // O staged for the TMA store: one 64-row slot per warpgroup of the stream.
+  using SmemLayoutO = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kWGPerStream>>{}));
+  using SmemLayoutOStore = decltype(cute::take<0, 2>(SmemLayoutO{}));
+  using TmaO = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GmemTensor{},
+                                            SmemLayoutOStore{}));
+  // The copy atom from the accumulator's layout (one warpgroup's) into shared memory.
+  using MmaPVOneWG = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float,
+                                 cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
   static constexpr uint32_t kQBytes = kBlockMStream * kHeadDim * sizeof(Element);
   static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);  // per slot
 
@@ -164,6 +181,12 @@ struct FwdTraits {
     // read, so the next may be written).
     uint64_t o_ready, o_free;
     int done_item;
+    // kTmaStoreO: the output rows on their way to the TMA store (last, so that the kernels
+    // without it keep their layout).
+    struct NoO {};
+    std::conditional_t<kTmaStoreO,
+                       cute::array_aligned<Element, cute::cosize_v<SmemLayoutO>, 1024>, NoO>
+        o;
   };
   struct SharedStorage {
     StreamStorage stream[kStreams];
