@@ -1,8 +1,8 @@
 // Epilogue of the sm_90a forward: normalises the output accumulator, writes exact zeros (LSE
 // -inf) for rows that saw no key or are padded queries (query mask; block-sparse: slots at
-// or past `row_limit`, the end of the tile's valid slots), and writes O (dense: 16-byte stores
-// of 8 columns, gathered across each quad; block-sparse: 4-byte stores of column pairs) and
-// the LSE (natural log, fp32) from registers. Rows past the sequence are not written.
+// or past `row_limit`, the end of the tile's valid slots), and writes O (16-byte stores of 8
+// columns gathered across each quad, or, in the dense single-CTA kernel, a TMA store from
+// shared memory) and the LSE (natural log, fp32). Rows past the sequence are not written.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -134,10 +134,9 @@ __device__ __forceinline__ void write_output_pairs(const AttentionParams& p, con
 
 // Traits::kTmaStoreO: the warpgroup's 64 rows (from row q0 + 64 wg of the stream tile) into
 // its shared-memory slot by stmatrix, then one TMA store by one thread; zeros and the LSE as
-// above. TMA
-// drops rows past the view's end (batched layouts); the caller takes the threads' own stores
-// when a varlen sequence ends inside the warpgroup's rows. The slot is rewritten only after
-// the previous store has read it (bulk wait_group.read before the first barrier).
+// above. TMA drops rows past the view's end (batched layouts); the caller takes the threads'
+// own stores when a varlen sequence ends inside the warpgroup's rows. The slot is rewritten
+// only after the previous store has read it (bulk wait_group.read before the first barrier).
 template <class Traits, class Frag, class Coords>
 __device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits>& p,
                                                     typename Traits::StreamStorage& st,
