@@ -1,5 +1,5 @@
-"""Small sm_90a forward runs (dense with masks / causal / GQA / varlen, a multi-tile persistent
-case, D = 64 on the 192-row tile, block-sparse 64 and 128, the 64-token kernel with VSA's
+"""Small sm_90a forward runs (dense with masks / causal / GQA / varlen, multi-tile persistent
+cases, D = 64's 192-row tile, block-sparse 64 and 128, the 64-token kernel with VSA's
 combination) for compute-sanitizer: exits non-zero on non-finite output or when the sm90
 kernels did not run."""
 import sys
@@ -31,7 +31,9 @@ def main() -> int:
             results.append(vidattn.attention_varlen(qv, kv, vv, cu_q, cu_k, 65, 63, causal=True))
     q = rnd(2, 1024, 16, 128)  # 256 tiles: several per CTA of the persistent grid
     results.append(vidattn.attention(q, q, q))
-    # D = 64 with >= 8192 keys: the 192-row tile (partial query tile, partial key block).
+    q = rnd(2, 1000, 16, 64)  # D = 64's 192-row tiles, several per CTA, a partial last one
+    results.append(vidattn.attention(q, q, q))
+    # D = 64 with > 4096 keys: one CTA per tile (partial query tile, partial key block).
     q, k = rnd(1, 500, 2, 64), rnd(1, 8200, 2, 64)
     results.append(vidattn.attention(q, k, k))
     results.append(vidattn.attention(q, k, k, causal=True))

@@ -40,8 +40,8 @@ CASES = [  # B, Sq, Sk, Hq, Hkv, D, dtype, causal
     (1, 700, 2100, 6, 3, 64, torch.float16, False),
     (1, 2100, 700, 6, 6, 64, torch.bfloat16, True),
     (3, 257, 129, 5, 5, 128, torch.float16, True),
-    # D = 64 with >= 8192 keys: the 192-row tile (three consumer warpgroups); partial last
-    # query tile and a partial last key block.
+    # D = 64 (the 192-row tile of three consumer warpgroups) past 4096 keys, on one CTA per
+    # tile: partial last query tile and a partial last key block.
     (1, 500, 8200, 4, 2, 64, torch.bfloat16, False),
     (2, 450, 8250, 2, 2, 64, torch.float16, True),
 ]
@@ -83,7 +83,7 @@ def test_sm90_logits_growing_along_the_keys(causal, Sq, Sk, D):
     """Key norms that grow along the sequence make each row's maximum climb block after
     block, far past the softmax base's slack (OnlineSoftmax::slack): the rescale path runs on
     many blocks, and the result still follows the rule. D = 64 with 8300 keys: the 192-row
-    tile."""
+    tile on one CTA per tile."""
     g = gen(93 + causal + D)
     B, H = 1, 4
     q = randn((B, Sq, H, D), torch.bfloat16, g)
@@ -107,7 +107,7 @@ def test_sm90_padding_masks_and_packed_views():
 
 # Key padding masks (their own kernel instance): lengths that end inside a 128-key block and
 # inside a lane's 4 keys, masks as views with a storage offset (not 4-byte aligned) and with a
-# key stride of 3, D = 64 past 8192 keys (where unmasked problems take the 192-row tile), and
+# key stride of 3, D = 64 past 8192 keys (packed when not causal: the 192-row tile), and
 # masks that hide whole blocks or keep one key of a block. Every key position of a block maps
 # to a different (lane, flag bit) of the ballots in apply_mask, so a wrong column would show
 # in the output. "suffix": padded key suffixes, so most blocks have every key (the early exit
@@ -150,7 +150,7 @@ def test_sm90_key_padding_mask(Sq, Sk, D, causal, layout):
 # are [B, H, S, D] tensors seen as [B, S, H, D] (q and out are packed too, since their
 # sequences' rows do not follow each other); "contiguous" without a query mask writes out in
 # place. Sequence 1 has no valid key, sequence 2 a single one, and with a query mask sequence
-# 0 has no valid query; D = 64 past 8192 keys takes the 192-row tile.
+# 0 has no valid query; D = 64 runs packed on the 192-row tile.
 PACKED_CASES = [
     (3, 700, 1001, 4, 2, 128, torch.bfloat16, True, "contiguous"),
     (2, 1100, 1300, 8, 8, 128, torch.float16, False, "contiguous"),
@@ -259,7 +259,7 @@ def test_sm90_key_padding_masked_instance_without_packing():
     assert res.stdout.strip().splitlines()[-1] == "ok"
 
 
-# The second case's longest key sequence puts D = 64 on the 192-row tile.
+# The second case (D = 64: the 192-row tile) has sequences past 8192 keys.
 @pytest.mark.parametrize("lq,lk,D", [([300, 0, 1, 129, 64], [260, 5, 0, 400, 1], 128),
                                      ([300, 0, 200, 1], [8300, 5, 9000, 700], 64)])
 def test_sm90_varlen(lq, lk, D):

@@ -26,6 +26,14 @@ inline bool tma_compatible(const TensorView& t) {
   return t.ndim == 0 || t.stride[t.ndim - 1] == 1 || t.shape[t.ndim - 1] <= 1;
 }
 
+// The sm_90a path's measuring switches (VIDATTN_SM90_<FEATURE>=0 turns a feature off for an
+// A/B): a feature is on unless the variable's value starts with '0'. Each caller reads its
+// switch once per process (a function-local static).
+inline bool env_switch_on(const char* name) {
+  const char* v = std::getenv(name);
+  return !(v != nullptr && v[0] == '0');
+}
+
 // VIDATTN_DISABLE_SM90=1 keeps sm_90 devices on the portable path (read once per process).
 inline bool sm90_disabled_by_env() {
   static const bool disabled = [] {

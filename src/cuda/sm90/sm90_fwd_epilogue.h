@@ -48,6 +48,38 @@ __device__ __forceinline__ void quad_transpose(std::uint32_t (&a)[4], int lane) 
   else a[2] = y0, a[3] = y1;
 }
 
+// One output row's end, shared by both stores: the row's sum over its quad, whether the row
+// exists (valid), whether it is written as zeros with LSE -inf (empty: it saw no key, it is a
+// padded query, or a block-sparse slot at or past row_limit) and the normaliser.
+struct OutputRow {
+  std::int64_t i;  // query row in the sequence
+  float sum, inv;
+  bool valid, empty;
+};
+
+__device__ __forceinline__ OutputRow end_output_row(const AttentionParams& p, const Sequence& seq,
+                                                    std::int64_t i, float row_sum,
+                                                    std::int64_t row_limit) {
+  OutputRow row;
+  row.sum = cuda_sm80::quad_sum(row_sum);  // every lane shuffles, valid or not
+  row.i = i;
+  row.valid = i < seq.len_q;
+  row.empty = !(row.sum > 0.f);
+  if (row.valid && p.query_mask &&
+      !p.query_mask[seq.batch * p.query_mask_batch + i * p.query_mask_row])
+    row.empty = true;
+  if (i >= row_limit) row.empty = true;
+  row.inv = row.empty ? 0.f : 1.f / row.sum;
+  return row;
+}
+
+// The row's LSE (natural log; -inf for an empty row); row_max is in log2 units.
+__device__ __forceinline__ void store_lse(const AttentionParams& p, const Sequence& seq, int h,
+                                          const OutputRow& row, float row_max) {
+  p.lse[cuda_sm80::q_side_offset(p, p.lse_strides, seq, row.i, h)] =
+      row.empty ? -INFINITY : row_max * 0.6931471805599453f + logf(row.sum);
+}
+
 // o: the thread's output accumulator; coords(v): (row, column) of value v in the stream tile
 // (wgmma's layout: column 8 (v / 4) + 2 (lane % 4) + v % 2). A quad holds 8 consecutive
 // columns of its row for each v / 4; transposed across the quad, each lane stores 16 bytes
@@ -65,16 +97,9 @@ __device__ __forceinline__ void write_output_octets(const AttentionParams& p, co
   auto* out = static_cast<std::uint16_t*>(p.out);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float sum = cuda_sm80::quad_sum(sm.row_sum[r]);  // the whole row (quad)
-    const std::int64_t i = q0 + cute::get<0>(coords(2 * r));
-    const bool valid = i < seq.len_q;  // the quad's row exists (the shuffles run regardless)
-    bool empty = !(sum > 0.f);
-    if (valid && p.query_mask &&
-        !p.query_mask[seq.batch * p.query_mask_batch + i * p.query_mask_row])
-      empty = true;
-    if (i >= row_limit) empty = true;
-    const float inv = empty ? 0.f : 1.f / sum;
-    std::uint16_t* dst = out + cuda_sm80::q_side_offset(p, p.out_strides, seq, i, h);
+    const OutputRow row =
+        end_output_row(p, seq, q0 + cute::get<0>(coords(2 * r)), sm.row_sum[r], row_limit);
+    std::uint16_t* dst = out + cuda_sm80::q_side_offset(p, p.out_strides, seq, row.i, h);
     const int col0 = cute::get<1>(coords(2 * r)) - 2 * quad_lane;  // column of octet 0
 #pragma unroll
     for (int g = 0; g < kVals / 16; ++g) {
@@ -84,51 +109,14 @@ __device__ __forceinline__ void write_output_octets(const AttentionParams& p, co
         const int v = 4 * (4 * g + t) + 2 * r;
         // Exact zeros: a padded row's accumulator may hold anything (its inputs are not read
         // by contract), and 0 * NaN is NaN.
-        words[t] = empty ? 0u : pack_pair<Element>(o(v) * inv, o(v + 1) * inv);
+        words[t] = row.empty ? 0u : pack_pair<Element>(o(v) * row.inv, o(v + 1) * row.inv);
       }
       quad_transpose(words, lane);
-      if (valid)
+      if (row.valid)
         *reinterpret_cast<uint4*>(dst + col0 + 8 * (4 * g + quad_lane)) =
             make_uint4(words[0], words[1], words[2], words[3]);
     }
-    if (valid && quad_lane == 0)
-      p.lse[cuda_sm80::q_side_offset(p, p.lse_strides, seq, i, h)] =
-          empty ? -INFINITY : sm.row_max[r] * 0.6931471805599453f + logf(sum);
-  }
-}
-
-// The same with 4-byte stores of column pairs straight from the accumulator (the block-sparse
-// kernels: see SparseKeyList::kQuadStores).
-template <class Element, class Frag, class Coords>
-__device__ __forceinline__ void write_output_pairs(const AttentionParams& p, const Sequence& seq,
-                                                   int h, std::int64_t q0, const Frag& o,
-                                                   const Coords& coords, OnlineSoftmax& sm,
-                                                   std::int64_t row_limit) {
-  constexpr int kVals = decltype(cute::size(o))::value;
-  const int lane = threadIdx.x & 31;
-  auto* out = static_cast<std::uint16_t*>(p.out);
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float sum = cuda_sm80::quad_sum(sm.row_sum[r]);  // the whole row (quad)
-    const std::int64_t i = q0 + cute::get<0>(coords(2 * r));
-    if (i >= seq.len_q) continue;
-    bool empty = !(sum > 0.f);
-    if (p.query_mask && !p.query_mask[seq.batch * p.query_mask_batch + i * p.query_mask_row])
-      empty = true;
-    if (i >= row_limit) empty = true;
-    const float inv = empty ? 0.f : 1.f / sum;
-    std::uint16_t* dst = out + cuda_sm80::q_side_offset(p, p.out_strides, seq, i, h);
-#pragma unroll
-    for (int j = 0; j < kVals / 4; ++j) {
-      const int v = 4 * j + 2 * r;
-      // Exact zeros: a padded row's accumulator may hold anything (its inputs are not read
-      // by contract), and 0 * NaN is NaN.
-      *reinterpret_cast<std::uint32_t*>(dst + cute::get<1>(coords(v))) =
-          empty ? 0u : pack_pair<Element>(o(v) * inv, o(v + 1) * inv);
-    }
-    if ((lane & 3) == 0)
-      p.lse[cuda_sm80::q_side_offset(p, p.lse_strides, seq, i, h)] =
-          empty ? -INFINITY : sm.row_max[r] * 0.6931471805599453f + logf(sum);
+    if (row.valid && quad_lane == 0) store_lse(p, seq, h, row, sm.row_max[r]);
   }
 }
 
@@ -154,18 +142,11 @@ __device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits
   bool empty[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const float sum = cuda_sm80::quad_sum(sm.row_sum[r]);  // the whole row (quad)
-    const std::int64_t i = q0 + get<0>(coords(2 * r));
-    const bool valid = i < seq.len_q;
-    empty[r] = !(sum > 0.f);
-    if (valid && a.query_mask &&
-        !a.query_mask[seq.batch * a.query_mask_batch + i * a.query_mask_row])
-      empty[r] = true;
-    if (i >= row_limit) empty[r] = true;
-    inv[r] = empty[r] ? 0.f : 1.f / sum;
-    if (valid && (lane & 3) == 0)
-      a.lse[cuda_sm80::q_side_offset(a, a.lse_strides, seq, i, h)] =
-          empty[r] ? -INFINITY : sm.row_max[r] * 0.6931471805599453f + logf(sum);
+    const OutputRow row =
+        end_output_row(a, seq, q0 + get<0>(coords(2 * r)), sm.row_sum[r], row_limit);
+    empty[r] = row.empty;
+    inv[r] = row.inv;
+    if (row.valid && (lane & 3) == 0) store_lse(a, seq, h, row, sm.row_max[r]);
   }
   // Values 2j and 2j + 1 share a row: row half j % 2 (wgmma's accumulator order). Exact zeros
   // for empty rows (0 * NaN is NaN).
@@ -196,17 +177,6 @@ __device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits
     copy(p.tma_o, cta.partition_S(sO), cta.partition_D(gO));
     tma_store_arrive();
   }
-}
-
-// The policy's choice (kQuadStores) of the two.
-template <class Element, bool kQuadStores, class Frag, class Coords>
-__device__ __forceinline__ void write_output(const AttentionParams& p, const Sequence& seq, int h,
-                                             std::int64_t q0, const Frag& o, const Coords& coords,
-                                             OnlineSoftmax& sm, std::int64_t row_limit) {
-  if constexpr (kQuadStores)
-    write_output_octets<Element>(p, seq, h, q0, o, coords, sm, row_limit);
-  else
-    write_output_pairs<Element>(p, seq, h, q0, o, coords, sm, row_limit);
 }
 
 }  // namespace vidattn::cuda_sm90

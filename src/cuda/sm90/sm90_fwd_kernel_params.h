@@ -26,8 +26,8 @@ struct FwdKernelParams {
   StreamItems items;          // Traits::kStreamItems only
   CombineArgs combine;        // Traits::kFusedCombine only
   std::conditional_t<Traits::kPrefixLoads, PrefixLoadMaps, NoPrefixLoadMaps> prefix;
-  // Traits::kTmaStoreO: the output's store descriptor, when the output's layout allows TMA
-  // (else the threads store it themselves).
+  // Traits::kTmaStoreO: the output's store descriptor, unless VIDATTN_SM90_TMA_STORE_O=0 (then
+  // the threads store the output themselves, as they do for a varlen sequence's last rows).
   struct NoTmaO {};
   std::conditional_t<Traits::kTmaStoreO, typename Traits::TmaO, NoTmaO> tma_o;
   bool store_o_by_tma = false;

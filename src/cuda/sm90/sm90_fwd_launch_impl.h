@@ -15,6 +15,7 @@
 #include "../../core/backends.h"
 #include "../device_workspace.h"
 #include "../sm80/launch.h"
+#include "sm90_dispatch.h"
 #include "sm90_fwd_kernel.h"
 #include "sm90_fwd_launch.h"
 
@@ -26,7 +27,8 @@ template <class T>
 using CutlassElement =
     std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cutlass::bfloat16_t, cutlass::half_t>;
 
-// Dense: one 128-row stream of two warpgroups, 128-key blocks, two stages, at D = 64 and 128.
+// Dense: one 128-row stream of two warpgroups, 128-key blocks, two stages: D = 128, and D = 64
+// with causal key padding.
 // Longer blocks (192 at D = 64; 144 to 176 at D = 128 with the extended wgmma shapes) were
 // slower once the unmasked blocks ran without mask code (docs/perf-notes.md, Hopper v11).
 // Output by TMA from shared memory (32 KB at D = 128): short key loops spend a large share of
@@ -40,15 +42,17 @@ using DenseTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2, false, fals
 template <class T, int D>
 using DenseClusterTraits =
     FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2, false, false, false, 2>;
-// D = 64 with long key loops: a 192-row stream of three warpgroups (160 registers each).
+// D = 64: a 192-row stream of three warpgroups (160 registers each), at every key length.
 // At D = 64 a warpgroup's softmax of a 64 x 128 block takes several times as long as its two
 // products (a latency chain, not a full pipe: ncu shows MUFU ~47% and issue ~42% busy), so
 // two warpgroups leave the tensor cores idle half the time; a third fills more of it
-// (+10-13% at 8K-32K keys). Short key loops (4K) and D = 128 (whose output accumulator does
-// not fit three warpgroups' registers) stay on two (docs/perf-notes.md, Hopper v14).
+// (+10-13% at 8K-32K keys, v14). Short key loops kept the 128-row tile until the persistent
+// grid (v23) and the TMA output store (v27) came; with both the 192-row tile gains 8-22% from
+// 512 to 6144 keys (docs/perf-notes.md, Hopper v28). D = 128, whose output accumulator does
+// not fit three warpgroups' registers, stays on two.
 template <class T>
-using Dense64WideTraits = FwdTraits<CutlassElement<T>, 64, 128, 3, 1, 2, 2>;
-inline constexpr std::int64_t kDense64WideMinKeys = 8192;
+using Dense64WideTraits =
+    FwdTraits<CutlassElement<T>, 64, 128, 3, 1, 2, 2, false, false, false, 1, true>;
 // Block-sparse with 128 / 256-token tiles: 128-key blocks (a 256 tile is two), one 128-row
 // stream of two warpgroups, on a persistent grid of stream items as the 64-token kernel
 // (+2-4% over one CTA per tile at the Wan and HunyuanVideo shapes; perf-notes, Hopper v18).
@@ -88,10 +92,7 @@ typename Traits::GmemTensor gmem_view(const void* ptr, std::int64_t rows, int he
 
 // VIDATTN_SM90_PINGPONG=0 turns the warpgroup ping-pong off (for measuring it; read once).
 inline bool pingpong_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("VIDATTN_SM90_PINGPONG");
-    return !(v != nullptr && v[0] == '0');
-  }();
+  static const bool on = env_switch_on("VIDATTN_SM90_PINGPONG");
   return on;
 }
 
@@ -108,34 +109,7 @@ inline float rescale_slack() {
 // VIDATTN_SM90_TMA_STORE_O=0 keeps the dense output on the threads' own stores (for measuring
 // the TMA store; read once).
 inline bool tma_store_o_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("VIDATTN_SM90_TMA_STORE_O");
-    return !(v != nullptr && v[0] == '0');
-  }();
-  return on;
-}
-
-// Whether TMA can write the output through gmem_view's (rows, D, heads, batch) view: base
-// 16-byte aligned and every stride that matters a multiple of 16 bytes (the inputs are
-// checked before dispatch; the output may be any view the caller passed).
-inline bool output_tma_compatible(const AttentionParams& a, std::int64_t rows, int batch,
-                                  std::size_t elem) {
-  if (reinterpret_cast<std::uintptr_t>(a.out) % 16 != 0) return false;
-  auto ok = [&](std::int64_t extent, std::int64_t stride) {
-    const std::int64_t bytes = stride * static_cast<std::int64_t>(elem);
-    return extent <= 1 || (bytes > 0 && bytes % 16 == 0 && bytes < (std::int64_t{1} << 40));
-  };
-  return ok(rows, a.out_strides.row) && ok(a.heads_q, a.out_strides.head) &&
-         ok(batch, a.out_strides.batch);
-}
-
-// VIDATTN_SM90_D64_WIDE=0 keeps D = 64 on the 128-row tile at every length (for measuring
-// the 192-row one; read once).
-inline bool d64_wide_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("VIDATTN_SM90_D64_WIDE");
-    return !(v != nullptr && v[0] == '0');
-  }();
+  static const bool on = env_switch_on("VIDATTN_SM90_TMA_STORE_O");
   return on;
 }
 
@@ -180,10 +154,7 @@ inline bool dense_grid_persistent(const AttentionParams& a) {
 // VIDATTN_SM90_CLUSTER=0 keeps dense attention on single CTAs (for measuring the pairs;
 // read once).
 inline bool dense_cluster_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("VIDATTN_SM90_CLUSTER");
-    return !(v != nullptr && v[0] == '0');
-  }();
+  static const bool on = env_switch_on("VIDATTN_SM90_CLUSTER");
   return on;
 }
 
@@ -210,10 +181,7 @@ bool has_sm90a_code(Kernel kernel) {
 // VIDATTN_SM90_PREFIX_LOADS=0 loads whole key tiles in the kernels with prefix loads (for
 // measuring them; read once).
 inline bool prefix_loads_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("VIDATTN_SM90_PREFIX_LOADS");
-    return !(v != nullptr && v[0] == '0');
-  }();
+  static const bool on = env_switch_on("VIDATTN_SM90_PREFIX_LOADS");
   return on;
 }
 
@@ -317,9 +285,8 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
                           gmem_view<Traits>(a.v, p.kv_rows, a.heads_kv, p.tma_batch, a.v_strides),
                           typename Traits::SmemLayoutKVLoad{}, kCluster);
   if constexpr (Traits::kTmaStoreO) {
-    p.store_o_by_tma = tma_store_o_enabled() &&
-                       output_tma_compatible(a, p.q_rows, p.tma_batch,
-                                             sizeof(typename Traits::Element));
+    // The out view meets TMA's rules (the caller checks them: sm90_fwd_launch.h).
+    p.store_o_by_tma = tma_store_o_enabled();
     if (p.store_o_by_tma)
       p.tma_o = make_tma_copy(
           SM90_TMA_STORE{},
@@ -382,30 +349,27 @@ bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
   if (p.key_mask != nullptr) {
     // Key padding runs an instance of its own, so that the mask code does not shape the
     // unmasked kernel (with it, ptxas scheduled the unmasked loop differently: up to -6% at
-    // D = 128; docs/perf-notes.md v15). It keeps to the 128-row tile at D = 64 too: one
-    // instance fewer to build.
+    // D = 128; docs/perf-notes.md v15). It keeps to the 128-row tile at D = 64 (causal key
+    // padding only: the rest is packed as varlen first, sm90_fwd_pack_padding.h).
     using Traits = launch_detail::DenseTraits<T, D>;
     return launch_detail::launch<Traits, DenseKeyRange<Traits::kBlockN, true>>(
         p, SparseKeyListArgs{}, stream);
   }
   if constexpr (D == 64) {
-    if (p.seqlen_k >= launch_detail::kDense64WideMinKeys && launch_detail::d64_wide_enabled()) {
-      using Wide = launch_detail::Dense64WideTraits<T>;
-      return launch_detail::launch<Wide, DenseKeyRange<Wide::kBlockN>>(p, SparseKeyListArgs{},
-                                                                       stream);
-    }
-  }
-  using Traits = launch_detail::DenseTraits<T, D>;
-  if constexpr (D == 128) {
+    using Wide = launch_detail::Dense64WideTraits<T>;
+    return launch_detail::launch<Wide, DenseKeyRange<Wide::kBlockN>>(p, SparseKeyListArgs{},
+                                                                     stream);
+  } else {
     // Single CTAs when the pairs do not fit the problem or the device.
     using Pair = launch_detail::DenseClusterTraits<T, D>;
     if (launch_detail::dense_cluster_fits(p, Pair::kBlockM) &&
         launch_detail::launch<Pair, DenseKeyRange<Pair::kBlockN>>(p, SparseKeyListArgs{},
                                                                   stream))
       return true;
+    using Traits = launch_detail::DenseTraits<T, D>;
+    return launch_detail::launch<Traits, DenseKeyRange<Traits::kBlockN>>(
+        p, SparseKeyListArgs{}, stream);
   }
-  return launch_detail::launch<Traits, DenseKeyRange<Traits::kBlockN>>(p, SparseKeyListArgs{},
-                                                                       stream);
 }
 
 template <class T, int D>

@@ -394,8 +394,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     if (n == 0) {
       Barrier::arrive(&st.q_empty);
       clear(tOrO);
-      write_output<Element, Visit::kQuadStores>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax,
-                                                row_limit);
+      write_output_octets<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax, row_limit);
       hand_over(slot);
       continue;
     }
@@ -484,8 +483,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       }
     }
     if (!stored)
-      write_output<Element, Visit::kQuadStores>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO,
-                                                softmax, row_limit);
+      write_output_octets<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax, row_limit);
     hand_over(slot);
   }
   hand_over(-1);

@@ -40,8 +40,6 @@ struct KeyBlock {
 template <int kBlockN, bool kKeyMask = false>
 struct DenseKeyRange {
   static constexpr bool kElementMask = true;  // causal possible
-  // The output leaves in 16-byte stores gathered across each quad (write_output).
-  static constexpr bool kQuadStores = true;
   static constexpr bool kKeyFlags = kKeyMask;  // key padding (KeyBlock::key_flags)
   static constexpr bool kProducerRecordsBlocks = false;  // block(i) is arithmetic
   // Which blocks need the mask is known before the loop (first_masked_block): the mainloop
@@ -120,8 +118,6 @@ struct DenseKeyRange {
 template <int kBlockN, bool kHalves_ = false>
 struct SparseKeyList {
   static constexpr bool kElementMask = false;  // only the per-tile valid length
-  // 16-byte stores gathered across each quad (docs/perf-notes.md, v24 and v25).
-  static constexpr bool kQuadStores = true;
   static constexpr bool kKeyFlags = false;
   // block(i) reads the index (and block sizes) from global memory: the producer, which
   // needs it for the load anyway, records each block's valid length in shared memory.

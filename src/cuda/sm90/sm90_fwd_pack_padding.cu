@@ -9,6 +9,7 @@
 
 #include "../device_workspace.h"
 #include "../sm80/launch.h"
+#include "sm90_dispatch.h"
 
 namespace vidattn::cuda_sm90 {
 namespace {
@@ -209,10 +210,7 @@ struct Carve {
 }  // namespace
 
 bool pack_padding_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("VIDATTN_SM90_PACK_PADDING");
-    return !(v != nullptr && v[0] == '0');
-  }();
+  static const bool on = env_switch_on("VIDATTN_SM90_PACK_PADDING");
   return on;
 }
 
