@@ -68,13 +68,15 @@ def test_block_sparse_specs_and_presets():
 
     suite = shapes.resolve(["gpu-suite"]).shapes
     kinds = [x.kind for x in suite]
-    assert kinds.count("dense") == 8 and kinds.count("blocksparse") == 6 and kinds.count("vsa") == 3
+    assert kinds.count("dense") == 9 and kinds.count("blocksparse") == 6 and kinds.count("vsa") == 3
     # Issue #5's dense targets: D = 128 at the video shapes and 32K, D = 64 at targets.md's
-    # shape; then Wan's cross attention to 512 text / 257 image tokens.
+    # shape and a short one (2048 keys); then Wan's cross attention to 512 text / 257 image
+    # tokens.
     assert {(x.batch, x.heads, x.q_len, x.kv_len, x.head_dim) for x in suite
             if x.kind == "dense"} == {
         (1, 12, 39936, 39936, 128), (1, 40, 92160, 92160, 128), (1, 24, 115200, 115200, 128),
-        (1, 12, 32768, 32768, 128), (2, 32, 16384, 16384, 64), (1, 12, 32760, 512, 128),
+        (1, 12, 32768, 32768, 128), (2, 32, 16384, 16384, 64), (4, 16, 2048, 2048, 64),
+        (1, 12, 32760, 512, 128),
         (1, 40, 75600, 512, 128), (1, 40, 75600, 257, 128)}
     # vsa.md section 6: the Wan grids tile to 39,936 and 92,160 slots; HunyuanVideo's 30 x 48
     # x 80 (115,200 tokens) has T = 30, not a multiple of 4: 8 x 12 x 20 tiles = 122,880 slots.

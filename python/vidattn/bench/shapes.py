@@ -143,7 +143,7 @@ PRESETS: dict[str, Preset] = {
     "gpu-suite": Preset(
         (dense(1, 12, 39936, 128, "Wan2.1-1.3B 480p"), dense(1, 40, 92160, 128, "Wan2.1-14B 720p"),
          dense(1, 24, 115200, 128, "HunyuanVideo 720p"), dense(1, 12, 32768, 128),
-         dense(2, 32, 16384, 64),
+         dense(2, 32, 16384, 64), dense(4, 16, 2048, 64),
          cross(1, 12, 32760, 512, 128, "Wan2.1-1.3B 480p text cross attention"),
          cross(1, 40, 75600, 512, 128, "Wan2.1-14B 720p text cross attention"),
          cross(1, 40, 75600, 257, 128, "Wan2.1-14B 720p image cross attention"))
