@@ -27,8 +27,8 @@ template <class T>
 using CutlassElement =
     std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cutlass::bfloat16_t, cutlass::half_t>;
 
-// Dense: one 128-row stream of two warpgroups, 128-key blocks, two stages: D = 128, and D = 64
-// with causal key padding.
+// Dense: one 128-row stream of two warpgroups, 128-key blocks, two stages: D = 128 past 512
+// keys (Dense128ShortTraits below) and causal key padding at both head dims.
 // Longer blocks (192 at D = 64; 144 to 176 at D = 128 with the extended wgmma shapes) were
 // slower once the unmasked blocks ran without mask code (docs/perf-notes.md, Hopper v11).
 // Output by TMA from shared memory (32 KB at D = 128): short key loops spend a large share of
@@ -53,6 +53,15 @@ using DenseClusterTraits =
 template <class T>
 using Dense64WideTraits =
     FwdTraits<CutlassElement<T>, 64, 128, 3, 1, 2, 2, false, false, false, 1, true>;
+// Dense D = 128 with at most kDense128ShortMaxKeys keys (cross attention to text or image
+// tokens): a 192-row stream of three warpgroups over 64-key blocks. A partial last block
+// costs less (257 keys are 320 keys of work instead of 384) and a third warpgroup overlaps
+// more of each short tile's start and end: +19-22% at 257 keys, flat at 512, but -3% to -13%
+// at 2048-4096 keys (docs/perf-notes.md, Hopper v29). dense128_short_fits decides.
+template <class T>
+using Dense128ShortTraits =
+    FwdTraits<CutlassElement<T>, 128, 64, 3, 1, 2, 2, false, false, false, 1, true>;
+inline constexpr std::int64_t kDense128ShortMaxKeys = 512;
 // Block-sparse with 128 / 256-token tiles: 128-key blocks (a 256 tile is two), one 128-row
 // stream of two warpgroups, on a persistent grid of stream items as the 64-token kernel
 // (+2-4% over one CTA per tile at the Wan and HunyuanVideo shapes; perf-notes, Hopper v18).
@@ -165,6 +174,23 @@ inline bool dense_cluster_enabled() {
 inline bool dense_cluster_fits(const AttentionParams& a, int block_m) {
   return dense_cluster_enabled() && !a.causal && !a.varlen && a.key_mask == nullptr &&
          !dense_grid_persistent(a) && ((a.seqlen_q + block_m - 1) / block_m) % 2 == 0;
+}
+
+// Whether a dense D = 128 problem takes Dense128ShortTraits: at most kDense128ShortMaxKeys
+// keys, and its 192-row tiles put no more query rows on the busiest SM of the persistent grid
+// than 128-row tiles would. A grid of few tiles leaves more of the larger tile's last wave
+// idle (1 x 2048 x 16 heads, 300 keys: 176 tiles on 132 SMs, -14% on the 192-row tile).
+template <class T>
+bool dense128_short_fits(const AttentionParams& a) {
+  if (a.seqlen_k > kDense128ShortMaxKeys) return false;
+  const std::int64_t ctas = std::max(1, cuda_sm80::current_sm_count() - std::max(0, a.sm_margin));
+  const std::int64_t heads = std::int64_t{a.batch} * a.heads_q;
+  auto rows_on_busiest = [&](std::int64_t block_m) {
+    const std::int64_t tiles = heads * ((a.seqlen_q + block_m - 1) / block_m);
+    return (tiles + ctas - 1) / ctas * block_m;
+  };
+  return rows_on_busiest(Dense128ShortTraits<T>::kBlockM) <=
+         rows_on_busiest(DenseTraits<T, 128>::kBlockM);
 }
 
 // Whether the kernel has sm_90a machine code in this build (not just the empty sm_80 body).
@@ -360,6 +386,11 @@ bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
     return launch_detail::launch<Wide, DenseKeyRange<Wide::kBlockN>>(p, SparseKeyListArgs{},
                                                                      stream);
   } else {
+    if (launch_detail::dense128_short_fits<T>(p)) {
+      using Short = launch_detail::Dense128ShortTraits<T>;
+      return launch_detail::launch<Short, DenseKeyRange<Short::kBlockN>>(
+          p, SparseKeyListArgs{}, stream);
+    }
     // Single CTAs when the pairs do not fit the problem or the device.
     using Pair = launch_detail::DenseClusterTraits<T, D>;
     if (launch_detail::dense_cluster_fits(p, Pair::kBlockM) &&
