@@ -60,6 +60,25 @@ def test_sm90_forward_matches_reference(case, input_scale):
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
+# Dense D = 128 with at most 512 keys runs on three warpgroups over 64-key blocks
+# (Dense128ShortTraits) when its 192-row tiles put no more rows on the busiest SM than 128-row
+# tiles would (dense128_short_fits): 66 heads of 384 queries are 132 such tiles, one per SM
+# of an H200, against 198 128-row tiles. Last key blocks of 1 (257 keys), 44 (300), 64
+# (512) and 1 (65) keys; GQA; causal with fewer keys than queries.
+@pytest.mark.parametrize("Sk,causal,dtype", [(257, False, torch.bfloat16),
+                                             (300, True, torch.float16),
+                                             (512, False, torch.float16),
+                                             (65, True, torch.bfloat16)])
+def test_sm90_short_key_loops_on_three_warpgroups(Sk, causal, dtype):
+    seed = zlib.crc32(repr(("short keys", Sk, causal, str(dtype))).encode())
+    g = gen(seed)
+    B, Sq, Hq, Hkv, D = 1, 384, 66, 6, 128
+    q = randn((B, Sq, Hq, D), dtype, g, 16.0)
+    k = randn((B, Sk, Hkv, D), dtype, g, 16.0)
+    v = randn((B, Sk, Hkv, D), dtype, g)
+    takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
+
+
 # Key lengths around the 128-key block boundary: the last block holds 1, 63, 64, 65 or 127
 # keys (or none), and the masked step cuts each accumulator row at one column limit (v26 of
 # docs/perf-notes.md), which must land between a lane's two columns and between lanes alike;
