@@ -48,8 +48,9 @@ using DenseClusterTraits =
 // two warpgroups leave the tensor cores idle half the time; a third fills more of it
 // (+10-13% at 8K-32K keys, v14). Short key loops kept the 128-row tile until the persistent
 // grid (v23) and the TMA output store (v27) came; with both the 192-row tile gains 8-22% from
-// 512 to 6144 keys (docs/perf-notes.md, Hopper v28). D = 128, whose output accumulator does
-// not fit three warpgroups' registers, stays on two.
+// 512 to 6144 keys (docs/perf-notes.md, Hopper v28). D = 128's output accumulator and
+// 128-key scores do not fit three warpgroups' registers (v14: spills, slower); with 64-key
+// blocks they do, which pays only for short key loops (Dense128ShortTraits).
 template <class T>
 using Dense64WideTraits =
     FwdTraits<CutlassElement<T>, 64, 128, 3, 1, 2, 2, false, false, false, 1, true>;
