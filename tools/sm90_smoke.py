@@ -1,5 +1,5 @@
 """Small sm_90a forward runs (dense with masks / causal / GQA / varlen, multi-tile persistent
-cases, D = 64's 192-row tile, block-sparse 64 and 128, the 64-token kernel with VSA's
+cases, D = 64's 192-row tile, D = 128 cross attention, block-sparse 64 and 128, the 64-token kernel with VSA's
 combination) for compute-sanitizer: exits non-zero on non-finite output or when the sm90
 kernels did not run."""
 import sys
@@ -33,6 +33,10 @@ def main() -> int:
     results.append(vidattn.attention(q, q, q))
     q = rnd(2, 1000, 16, 64)  # D = 64's 192-row tiles, several per CTA, a partial last one
     results.append(vidattn.attention(q, q, q))
+    # D = 128 with 257 keys on three warpgroups of 64-key blocks (132 tiles of 192 rows; small
+    # problems stay on the 128-row tile): a one-key last block, GQA.
+    q, k = rnd(1, 384, 66, 128), rnd(1, 257, 6, 128)
+    results.append(vidattn.attention(q, k, k))
     # D = 64 with > 4096 keys: one CTA per tile (partial query tile, partial key block).
     q, k = rnd(1, 500, 2, 64), rnd(1, 8200, 2, 64)
     results.append(vidattn.attention(q, k, k))
