@@ -33,9 +33,12 @@ def main() -> int:
     results.append(vidattn.attention(q, q, q))
     q = rnd(2, 1000, 16, 64)  # D = 64's 192-row tiles, several per CTA, a partial last one
     results.append(vidattn.attention(q, q, q))
-    # D = 128 with 257 keys on three warpgroups of 64-key blocks (132 tiles of 192 rows; small
-    # problems stay on the 128-row tile): a one-key last block, GQA.
-    q, k = rnd(1, 384, 66, 128), rnd(1, 257, 6, 128)
+    # D = 128 with 257 keys on three warpgroups of 64-key blocks (264 tiles of 192 rows, two
+    # per CTA; small problems stay on the 128-row tile): a one-key last block, GQA.
+    q, k = rnd(1, 384, 132, 128), rnd(1, 257, 12, 128)
+    results.append(vidattn.attention(q, k, k))
+    # D = 64 with 128 keys, one key block per tile: 288 tiles, a partial last one.
+    q, k = rnd(2, 1000, 48, 64), rnd(2, 128, 4, 64)
     results.append(vidattn.attention(q, k, k))
     # D = 64 with > 4096 keys: one CTA per tile (partial query tile, partial key block).
     q, k = rnd(1, 500, 2, 64), rnd(1, 8200, 2, 64)

@@ -79,6 +79,29 @@ def test_sm90_short_key_loops_on_three_warpgroups(Sk, causal, dtype):
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
+# Short key loops (at most 512 keys) over several tiles per CTA of the persistent grid (132 SMs
+# on an H200), so that each CTA's producer loads a tile's Q and K / V while its consumers finish
+# the one before: D = 128 with 2 x 44 heads of 1152 queries (528 192-row tiles, and as many
+# rows on the busiest SM as 128-row tiles give, so dense128_short_fits takes the 192-row
+# tile), D = 64 with 2 x 48 heads of 1000 queries (a partial last tile). GQA; causal with fewer
+# keys than queries (whole tiles see no key); a one-key problem; 77 text tokens.
+@pytest.mark.parametrize("D,Sk,causal,dtype", [(128, 77, False, torch.bfloat16),
+                                               (128, 128, True, torch.float16),
+                                               (128, 512, False, torch.bfloat16),
+                                               (64, 1, False, torch.bfloat16),
+                                               (64, 128, False, torch.float16),
+                                               (64, 257, True, torch.bfloat16),
+                                               (64, 512, False, torch.float16)])
+def test_sm90_short_key_loops_over_several_tiles_per_cta(D, Sk, causal, dtype):
+    seed = zlib.crc32(repr(("several tiles per CTA", D, Sk, causal, str(dtype))).encode())
+    g = gen(seed)
+    B, Sq, Hq, Hkv = (2, 1152, 44, 4) if D == 128 else (2, 1000, 48, 8)
+    q = randn((B, Sq, Hq, D), dtype, g, 4.0)
+    k = randn((B, Sk, Hkv, D), dtype, g, 4.0)
+    v = randn((B, Sk, Hkv, D), dtype, g)
+    takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
+
+
 # Key lengths around the 128-key block boundary: the last block holds 1, 63, 64, 65 or 127
 # keys (or none), and the masked step cuts each accumulator row at one column limit (v26 of
 # docs/perf-notes.md), which must land between a lane's two columns and between lanes alike;
