@@ -138,15 +138,11 @@ __device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits
   static_assert(Traits::kStreams == 1, "named barriers 4 + wg serve one stream");
   const AttentionParams& a = p.attn;
   const int lane = threadIdx.x & 31;
-  float inv[2];
-  bool empty[2];
+  OutputRow rows[2];  // the thread's two rows (wgmma's accumulator: row halves)
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const OutputRow row =
-        end_output_row(a, seq, q0 + get<0>(coords(2 * r)), sm.row_sum[r], row_limit);
-    empty[r] = row.empty;
-    inv[r] = row.inv;
-    if (row.valid && (lane & 3) == 0) store_lse(a, seq, h, row, sm.row_max[r]);
+    rows[r] = end_output_row(a, seq, q0 + get<0>(coords(2 * r)), sm.row_sum[r], row_limit);
+    if (rows[r].valid && (lane & 3) == 0) store_lse(a, seq, h, rows[r], sm.row_max[r]);
   }
   // Values 2j and 2j + 1 share a row: row half j % 2 (wgmma's accumulator order). Exact zeros
   // for empty rows (0 * NaN is NaN).
@@ -154,8 +150,8 @@ __device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits
   Tensor out32 = recast<std::uint32_t>(out);
 #pragma unroll
   for (int j = 0; j < size(out32); ++j) {
-    const int r = j & 1;
-    out32(j) = empty[r] ? 0u : pack_pair<Element>(o(2 * j) * inv[r], o(2 * j + 1) * inv[r]);
+    const OutputRow& row = rows[j & 1];
+    out32(j) = row.empty ? 0u : pack_pair<Element>(o(2 * j) * row.inv, o(2 * j + 1) * row.inv);
   }
   Tensor sO = make_tensor(make_smem_ptr(st.o.data()), typename Traits::SmemLayoutO{})(_, _, wg);
   const int bar = 4 + wg;
