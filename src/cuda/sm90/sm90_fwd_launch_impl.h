@@ -152,9 +152,9 @@ inline GridChoice grid_choice() {
   return choice;
 }
 
-// The persistent grid's CTAs: one per SM, less the SMs the caller leaves free.
-inline int persistent_grid_ctas(const AttentionParams& a) {
-  return std::max(1, cuda_sm80::current_sm_count() - std::max(0, a.sm_margin));
+// The persistent grid's CTAs: one per SM (of `sms`), less the SMs the caller leaves free.
+inline int persistent_grid_ctas(const AttentionParams& a, int sms) {
+  return std::max(1, sms - std::max(0, a.sm_margin));
 }
 
 inline bool dense_grid_persistent(const AttentionParams& a) {
@@ -189,7 +189,7 @@ inline bool dense_cluster_fits(const AttentionParams& a, int block_m) {
 template <class T>
 bool dense128_short_fits(const AttentionParams& a) {
   if (a.seqlen_k > kDense128ShortMaxKeys) return false;
-  const std::int64_t ctas = persistent_grid_ctas(a);
+  const std::int64_t ctas = persistent_grid_ctas(a, cuda_sm80::current_sm_count());
   const std::int64_t heads = std::int64_t{a.batch} * a.heads_q;
   auto rows_on_busiest = [&](std::int64_t block_m) {
     const std::int64_t tiles = heads * ((a.seqlen_q + block_m - 1) / block_m);
@@ -337,7 +337,7 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   const int tiles = p.sched.total_tiles();
   const bool persistent = Traits::kStreamItems || dense_grid_persistent(a);
   const int sms = cuda_sm80::current_sm_count();
-  const int grid = persistent ? std::min(tiles, persistent_grid_ctas(a)) : tiles;
+  const int grid = persistent ? std::min(tiles, persistent_grid_ctas(a, sms)) : tiles;
   p.sched.set_grid(grid);
   cuda_sm80::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              Traits::kSmemBytes),
