@@ -69,15 +69,18 @@ __device__ __forceinline__ OutputRow end_output_row(const AttentionParams& p, co
       !p.query_mask[seq.batch * p.query_mask_batch + i * p.query_mask_row])
     row.empty = true;
   if (i >= row_limit) row.empty = true;
-  row.inv = row.empty ? 0.f : 1.f / row.sum;
+  // MUFU's reciprocal (2 ulp, against the output's 8 or 11 bits): the IEEE division's
+  // refinement and slow-path branch sat between a short tile's last product and its store.
+  row.inv = row.empty ? 0.f : __fdividef(1.f, row.sum);
   return row;
 }
 
-// The row's LSE (natural log; -inf for an empty row); row_max is in log2 units.
+// The row's LSE (natural log; -inf for an empty row); row_max is in log2 units. MUFU's log2
+// (~2^-22 absolute): logf's ~30 instructions ran once per row in every tile's epilogue.
 __device__ __forceinline__ void store_lse(const AttentionParams& p, const Sequence& seq, int h,
                                           const OutputRow& row, float row_max) {
   p.lse[cuda_sm80::q_side_offset(p, p.lse_strides, seq, row.i, h)] =
-      row.empty ? -INFINITY : row_max * 0.6931471805599453f + logf(row.sum);
+      row.empty ? -INFINITY : (row_max + __log2f(row.sum)) * 0.6931471805599453f;
 }
 
 // o: the thread's output accumulator; coords(v): (row, column) of value v in the stream tile

@@ -325,10 +325,8 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
           gmem_view<Traits>(a.out, p.q_rows, a.heads_q, p.tma_batch, a.out_strides),
           typename Traits::SmemLayoutOStore{});
   }
-  p.sched.num_m_blocks = static_cast<int>((a.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
-  p.sched.heads = a.heads_q;
-  p.sched.batch = a.batch;
-  p.sched.longest_first = a.causal;
+  p.sched.set_shape(static_cast<int>((a.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM),
+                    a.heads_q, a.batch, a.causal);
   if (combine != nullptr) p.combine = *combine;
   if constexpr (Traits::kPrefixLoads)
     p.prefix = make_prefix_load_maps<Traits>(a, p.kv_rows, p.tma_batch);
@@ -348,10 +346,9 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   const cuda_common::DeviceWorkspace counter(Traits::kStreamItems ? sizeof(int) : 0, stream,
                                              "the sm90 tile counter");
   if constexpr (Traits::kStreamItems) {
-    p.items.num_q_blocks =
-        static_cast<int>((a.seqlen_q + Traits::kBlockMStream - 1) / Traits::kBlockMStream);
-    p.items.heads = a.heads_q;
-    p.items.batch = a.batch;
+    p.items.set_shape(
+        static_cast<int>((a.seqlen_q + Traits::kBlockMStream - 1) / Traits::kBlockMStream),
+        a.heads_q, a.batch);
     p.items.device_streams = Traits::kStreams * sms;
     p.items.counter = counter.as<int>();
     cuda_sm80::check_cuda(cudaMemsetAsync(p.items.counter, 0, sizeof(int), stream),

@@ -48,7 +48,7 @@ struct StreamTile {
 template <class Traits>
 __device__ __forceinline__ StreamTile stream_tile(const FwdKernelParams<Traits>& p, int slot,
                                                   int stream) {
-  const TileCoord c = p.sched.decode(slot, gridDim.x);
+  const TileCoord c = p.sched.decode(slot);
   StreamTile t;
   if (!c.valid) {
     t.active = false;

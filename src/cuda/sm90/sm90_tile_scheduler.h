@@ -11,9 +11,16 @@
 //    mean at 16K tokens. The plain round-robin order left the busiest CTA with 1.67x the
 //    mean work (a simulation of the 1 x 16K x 12-head case), which measured as 390 TFLOP/s
 //    against 593 non-causal.
+//  * Tiles are decoded with divisions precomputed on the host (cutlass::FastDivmod: a
+//    multiply-high and a shift): each consumer decodes every tile it takes, between two
+//    tiles, and four signed integer divisions there cost ~100 instructions per warp and 8%
+//    of the warp stalls of a short key loop (docs/perf-notes.md, Hopper v31).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+
+#include <cutlass/fast_math.h>
 
 namespace vidattn::cuda_sm90 {
 
@@ -31,30 +38,40 @@ struct TileScheduler {
   // the host (set_grid) so the kernels read it from the parameter bank at each loop test
   // rather than keep it live across the key loop, where ptxas spilled it.
   int slots_end = 0;
+  // Division by num_m_blocks, heads, heads * batch and the grid (set_shape, set_grid).
+  cutlass::FastDivmod by_m_blocks, by_heads, by_heads_batch, by_grid;
 
   __host__ __device__ int total_tiles() const { return num_m_blocks * heads * batch; }
+  __host__ void set_shape(int m_blocks, int heads_, int batch_, bool causal) {
+    num_m_blocks = m_blocks, heads = heads_, batch = batch_, longest_first = causal;
+    by_m_blocks = cutlass::FastDivmod(std::max(m_blocks, 1));
+    by_heads = cutlass::FastDivmod(std::max(heads_, 1));
+    by_heads_batch = cutlass::FastDivmod(std::max(heads_ * batch_, 1));
+  }
+  // `grid`: the CTAs the kernel is launched with (decode walks rounds of that many slots).
   __host__ void set_grid(int grid) {
     slots_end = grid > 0 ? (total_tiles() + grid - 1) / grid * grid : 0;
+    by_grid = cutlass::FastDivmod(std::max(grid, 1));
   }
 
-  __device__ __forceinline__ TileCoord decode(int slot, int grid) const {
+  __device__ __forceinline__ TileCoord decode(int slot) const {
     TileCoord c;
     int tile = slot;
     int m, bh;
     if (longest_first) {
-      const int round = slot / grid, lane = slot % grid;
+      int round, lane;
+      by_grid(round, lane, slot);
+      const int grid = by_grid.divisor;
       tile = round * grid + ((round & 1) ? grid - 1 - lane : lane);
-      const int bhs = heads * batch;
-      m = num_m_blocks - 1 - tile / bhs;
-      bh = tile % bhs;
+      int from_last;
+      by_heads_batch(from_last, bh, tile);
+      m = num_m_blocks - 1 - from_last;
     } else {
-      m = tile % num_m_blocks;
-      bh = tile / num_m_blocks;
+      by_m_blocks(bh, m, tile);
     }
     c.valid = tile < total_tiles();
     c.m_block = m;
-    c.head = bh % heads;
-    c.batch = bh / heads;
+    by_heads(c.batch, c.head, bh);
     return c;
   }
 };
@@ -70,11 +87,17 @@ struct StreamItems {
   int num_q_blocks = 0;  // query tiles of kBlockMStream rows per (head, batch)
   int heads = 0;
   int batch = 0;
+  cutlass::FastDivmod by_q_blocks, by_heads;  // set_shape
   int* counter = nullptr;  // zeroed before the launch
   // Streams per CTA x the device's SMs, counting those sm_margin leaves idle.
   int device_streams = 1;
 
   __host__ __device__ int total() const { return num_q_blocks * heads * batch; }
+  __host__ void set_shape(int q_blocks, int heads_, int batch_) {
+    num_q_blocks = q_blocks, heads = heads_, batch = batch_;
+    by_q_blocks = cutlass::FastDivmod(std::max(q_blocks, 1));
+    by_heads = cutlass::FastDivmod(std::max(heads_, 1));
+  }
   // Where item `item` starts its walk over its n key blocks. Items start in order, one per
   // stream as streams free up, so item j starts ~j / device_streams of an item's time after
   // item 0. Starting it (j mod device_streams) / device_streams of the way along its list
@@ -88,10 +111,9 @@ struct StreamItems {
   }
   __device__ __forceinline__ TileCoord decode(int item) const {
     TileCoord c;
-    c.m_block = item % num_q_blocks;
-    const int bh = item / num_q_blocks;
-    c.head = bh % heads;
-    c.batch = bh / heads;
+    int bh;
+    by_q_blocks(bh, c.m_block, item);
+    by_heads(c.batch, c.head, bh);
     c.valid = item < total();
     return c;
   }
