@@ -15,8 +15,9 @@ foreach(_target IN LISTS VIDATTN_CUDA_TARGETS)
   list(APPEND VIDATTN_CUDA_GENCODE -gencode=arch=compute_${_target},code=sm_${_target})
 endforeach()
 # -O3 and -lineinfo (sanitizer / profiler source lines, no speed cost). No --use_fast_math:
-# the kernels call the fast exp2 (ex2.approx) explicitly where they want it, and everything
-# else (log of the LSE, divisions) stays IEEE.
+# the kernels call the fast exp2 (ex2.approx) explicitly where they want it, as the sm_90a
+# epilogue calls MUFU's reciprocal and log2 for the output's normaliser and the LSE; everything
+# else stays IEEE.
 set(VIDATTN_CUDA_FLAGS -O3 -lineinfo --expt-relaxed-constexpr)
 file(GLOB_RECURSE VIDATTN_CUDA_SOURCES CONFIGURE_DEPENDS ${PROJECT_SOURCE_DIR}/src/cuda/*.cu)
 if(VIDATTN_CUDA_SOURCES)
@@ -34,22 +35,7 @@ if(VIDATTN_CUDA_SOURCES)
   set(VIDATTN_HAVE_CUDA_SOURCES ON)
 endif()
 
-# CUTLASS / CuTe headers for the Hopper kernels (wgmma and TMA atoms, pipelines), pinned from
-# PyPI (nvidia-cutlass ships them in cutlass_library/source/include). Header-only: nothing of
-# it is installed with vidattn. VIDATTN_CUTLASS_INCLUDE overrides the lookup.
-set(VIDATTN_CUTLASS_INCLUDE "" CACHE PATH "CUTLASS include directory (holds cute/ and cutlass/)")
-if(NOT VIDATTN_CUTLASS_INCLUDE)
-  find_package(Python COMPONENTS Interpreter QUIET)
-  if(Python_Interpreter_FOUND)
-    execute_process(
-      COMMAND ${Python_EXECUTABLE} -c
-        "import os, cutlass_library; print(os.path.join(os.path.dirname(cutlass_library.__file__), 'source', 'include'))"
-      OUTPUT_VARIABLE _vidattn_cutlass OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
-    if(_vidattn_cutlass AND EXISTS "${_vidattn_cutlass}/cute/tensor.hpp")
-      set(VIDATTN_CUTLASS_INCLUDE "${_vidattn_cutlass}" CACHE PATH "" FORCE)
-    endif()
-  endif()
-endif()
+include(${CMAKE_CURRENT_LIST_DIR}/cutlass.cmake)
 if(VIDATTN_CUTLASS_INCLUDE)
   message(STATUS "vidattn: CUTLASS headers at ${VIDATTN_CUTLASS_INCLUDE}")
   if(TARGET vidattn_cuda)

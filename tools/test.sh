@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 jobs=$(nproc)
 echo "== C++ tests (GoogleTest)"
 cmake -S . -B build/cpp-tests -G Ninja -DCMAKE_BUILD_TYPE=Release -DVIDATTN_BUILD_TESTS=ON \
-  -DVIDATTN_CUDA=OFF -DCMAKE_MAKE_PROGRAM="$(pwd)/.venv/bin/ninja" >/dev/null
+  -DVIDATTN_CUDA=OFF -DCMAKE_MAKE_PROGRAM="$(pwd)/.venv/bin/ninja" \
+  -DPython_EXECUTABLE="$(pwd)/.venv/bin/python" >/dev/null
 cmake --build build/cpp-tests -j "$jobs"
 ctest --test-dir build/cpp-tests --output-on-failure -j "$jobs"
 

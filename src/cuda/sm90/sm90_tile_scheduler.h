@@ -54,7 +54,7 @@ struct TileScheduler {
     by_grid = cutlass::FastDivmod(std::max(grid, 1));
   }
 
-  __device__ __forceinline__ TileCoord decode(int slot) const {
+  __host__ __device__ __forceinline__ TileCoord decode(int slot) const {
     TileCoord c;
     int tile = slot;
     int m, bh;
@@ -109,7 +109,7 @@ struct StreamItems {
   __device__ __forceinline__ int first_block(int item, int n) const {
     return static_cast<int>(static_cast<long long>(item % device_streams) * n / device_streams);
   }
-  __device__ __forceinline__ TileCoord decode(int item) const {
+  __host__ __device__ __forceinline__ TileCoord decode(int item) const {
     TileCoord c;
     int bh;
     by_q_blocks(bh, c.m_block, item);
@@ -117,11 +117,13 @@ struct StreamItems {
     c.valid = item < total();
     return c;
   }
+#ifdef __CUDACC__  // device only (tests/cpp/test_sm90_tile_scheduler.cpp reads the rest on the host)
   // The next item, or -1 when none is left (called by one thread per stream).
   __device__ __forceinline__ int take() const {
     const int item = atomicAdd(counter, 1);
     return item < total() ? item : -1;
   }
+#endif
 };
 
 }  // namespace vidattn::cuda_sm90

@@ -1,0 +1,115 @@
+// The sm_90a tile schedulers' decode (src/cuda/sm90/sm90_tile_scheduler.h), run on the host:
+// the divisions precomputed by set_shape / set_grid (cutlass::FastDivmod) must give the order
+// the kernels document, i.e. what plain division gives, and every tile exactly once. (The
+// kernels' results are checked on a GPU: tests/python/test_attention_sm90.py.)
+#include <gtest/gtest.h>
+
+#if VIDATTN_TESTS_SM90_SCHEDULER
+#include <cuda_runtime.h>  // __host__ / __device__ for a host compiler
+
+#include <tuple>
+#include <vector>
+
+#include "cuda/sm90/sm90_tile_scheduler.h"
+
+namespace {
+
+using vidattn::cuda_sm90::StreamItems;
+using vidattn::cuda_sm90::TileCoord;
+using vidattn::cuda_sm90::TileScheduler;
+
+// The documented order with plain division: query blocks fastest, then head, then batch;
+// causal: longest first (query blocks descending) with every other round of `grid` slots
+// walked backwards.
+TileCoord expected(int slot, int grid, int m_blocks, int heads, int batch, bool causal) {
+  TileCoord c;
+  int tile = slot, m, bh;
+  if (causal) {
+    const int round = slot / grid, lane = slot % grid;
+    tile = round * grid + ((round & 1) ? grid - 1 - lane : lane);
+    m = m_blocks - 1 - tile / (heads * batch);
+    bh = tile % (heads * batch);
+  } else {
+    m = tile % m_blocks;
+    bh = tile / m_blocks;
+  }
+  c.valid = tile < m_blocks * heads * batch;
+  c.m_block = m;
+  c.head = bh % heads;
+  c.batch = bh / heads;
+  return c;
+}
+
+TEST(Sm90TileScheduler, DecodeMatchesPlainDivisionAndCoversEveryTileOnce) {
+  // (query blocks, heads, batch, grid): grids of one CTA per tile and persistent ones,
+  // powers of two and not, one of everything.
+  const std::vector<std::tuple<int, int, int, int>> shapes = {
+      {1, 1, 1, 1},     {7, 3, 2, 42},    {171, 12, 1, 132}, {256, 12, 1, 132},
+      {11, 16, 4, 132}, {64, 40, 1, 131}, {5, 1, 3, 15},     {33, 24, 2, 100},
+      {2, 2, 2, 1},     {720, 40, 1, 132}};
+  for (const auto& [m_blocks, heads, batch, grid_hint] : shapes) {
+    for (const bool causal : {false, true}) {
+      TileScheduler s;
+      s.set_shape(m_blocks, heads, batch, causal);
+      const int tiles = s.total_tiles();
+      const int grid = grid_hint < tiles ? grid_hint : tiles;
+      s.set_grid(grid);
+      ASSERT_EQ(s.slots_end % grid, 0);
+      ASSERT_GE(s.slots_end, tiles);
+      std::vector<int> seen(tiles, 0);
+      for (int slot = 0; slot < s.slots_end; ++slot) {
+        const TileCoord got = s.decode(slot);
+        const TileCoord want = expected(slot, grid, m_blocks, heads, batch, causal);
+        ASSERT_EQ(got.valid, want.valid) << "slot " << slot;
+        if (!want.valid) continue;
+        ASSERT_EQ(got.m_block, want.m_block) << "slot " << slot;
+        ASSERT_EQ(got.head, want.head) << "slot " << slot;
+        ASSERT_EQ(got.batch, want.batch) << "slot " << slot;
+        ASSERT_TRUE(got.m_block >= 0 && got.m_block < m_blocks && got.head >= 0 &&
+                    got.head < heads && got.batch >= 0 && got.batch < batch);
+        ++seen[(got.batch * heads + got.head) * m_blocks + got.m_block];
+      }
+      for (int t = 0; t < tiles; ++t)
+        ASSERT_EQ(seen[t], 1) << "tile " << t << " of " << m_blocks << "x" << heads << "x"
+                              << batch << (causal ? " causal" : "");
+    }
+  }
+}
+
+TEST(Sm90StreamItems, DecodeMatchesPlainDivision) {
+  for (const auto& [q_blocks, heads, batch] :
+       std::vector<std::tuple<int, int, int>>{{624, 12, 1}, {1, 1, 1}, {1440, 40, 2},
+                                              {17, 3, 5}, {2048, 24, 1}}) {
+    StreamItems items;
+    items.set_shape(q_blocks, heads, batch);
+    for (int item = 0; item <= items.total(); ++item) {
+      const TileCoord c = items.decode(item);
+      ASSERT_EQ(c.valid, item < items.total());
+      if (!c.valid) continue;
+      ASSERT_EQ(c.m_block, item % q_blocks);
+      ASSERT_EQ(c.head, item / q_blocks % heads);
+      ASSERT_EQ(c.batch, item / q_blocks / heads);
+    }
+  }
+}
+
+// Large counts: the precomputed division holds for every dividend below 2^31.
+TEST(Sm90StreamItems, DecodeHoldsForLargeItems) {
+  StreamItems items;
+  items.set_shape(46341, 46340, 1);  // ~2^31 items
+  for (const int item : {0, 1, 46340, 46341, 46342, 1 << 30, 2147395599, 2147395600}) {
+    const TileCoord c = items.decode(item);
+    if (!c.valid) continue;
+    ASSERT_EQ(c.m_block, item % 46341) << item;
+    ASSERT_EQ(c.head, item / 46341 % 46340) << item;
+    ASSERT_EQ(c.batch, 0) << item;
+  }
+}
+
+}  // namespace
+
+#else
+TEST(Sm90TileScheduler, NeedsTheCudaAndCutlassHeaders) {
+  GTEST_SKIP() << "built without CUDA sources or CUTLASS headers";
+}
+#endif
