@@ -17,25 +17,28 @@ import gzip
 import sys
 
 
-def read_kernels(path):
-    """{kernel name: (header, rows)} from the source page's CSV (one block per kernel)."""
+def read_kernel_blocks(path):
+    """[(kernel name, header, rows)] from the source page's CSV, one block per profiled launch
+    in the export's order (a kernel launched twice has two blocks)."""
     opener = gzip.open if path.endswith(".gz") else open
-    kernels, name, header, rows = {}, None, None, []
+    blocks = []
     with opener(path, "rt", newline="") as f:
         for rec in csv.reader(f):
             if not rec:
                 continue
             if rec[0] == "Kernel Name":
-                if name is not None:
-                    kernels[name] = (header, rows)
-                name, header, rows = rec[1], None, []
-            elif header is None:
-                header = rec
+                blocks.append((rec[1], None, []))
+            elif blocks[-1][1] is None:
+                blocks[-1] = (blocks[-1][0], rec, blocks[-1][2])
             else:
-                rows.append(rec)
-    if name is not None:
-        kernels[name] = (header, rows)
-    return kernels
+                blocks[-1][2].append(rec)
+    return blocks
+
+
+def read_kernels(path):
+    """{kernel name: (header, rows)} from the source page's CSV (a kernel launched twice: its
+    last block)."""
+    return {name: (header, rows) for name, header, rows in read_kernel_blocks(path)}
 
 
 def as_int(text):

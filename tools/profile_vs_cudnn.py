@@ -15,22 +15,16 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import vidattn
-
-
-def parse(spec):
-    parts = spec.split(",")
-    lengths = parts[1].split(":")
-    causal = parts[4:] == ["causal"]
-    return int(parts[0]), int(lengths[0]), int(lengths[-1]), int(parts[2]), int(parts[3]), causal
+from bench_dense_cuda import parse_shape
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("shapes", nargs="+", help="B,S,H,D[,causal] (S: a length or Sq:Sk)")
+    ap.add_argument("shapes", nargs="+", type=parse_shape,
+                    help="B,S,H,D[,causal] (S: a length or Sq:Sk)")
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
-    for spec in args.shapes:
-        B, Sq, Sk, H, D, causal = parse(spec)
+    for B, Sq, H, D, causal, Sk in args.shapes:
 
         def randn(*shape):
             return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
@@ -47,7 +41,7 @@ def main() -> None:
             run()
         torch.cuda.synchronize()
         torch.cuda.profiler.start()
-        torch.cuda.nvtx.range_push(spec)
+        torch.cuda.nvtx.range_push(f"{B},{Sq}:{Sk},{H},{D}{',causal' if causal else ''}")
         run()
         torch.cuda.synchronize()
         torch.cuda.nvtx.range_pop()

@@ -17,28 +17,11 @@ profile.
 """
 import argparse
 import collections
-import csv
-import gzip
 import re
 import subprocess
 import sys
 
-
-def read_export(path):
-    """[(kernel name, header, rows)] from the source page's CSV, in the export's order."""
-    opener = gzip.open if path.endswith(".gz") else open
-    kernels = []
-    with opener(path, "rt", newline="") as f:
-        for rec in csv.reader(f):
-            if not rec:
-                continue
-            if rec[0] == "Kernel Name":
-                kernels.append([rec[1], None, []])
-            elif kernels[-1][1] is None:
-                kernels[-1][1] = rec
-            else:
-                kernels[-1][2].append(rec)
-    return kernels
+from ncu_stall_breakdown import as_int, read_kernel_blocks
 
 
 def normalise(name):
@@ -94,12 +77,11 @@ def main() -> None:
     ap.add_argument("--opcodes", action="store_true", help="the opcode mix only")
     args = ap.parse_args()
 
-    kernels = read_export(args.csv)
-    name, header, rows = kernels[args.kernel]
+    name, header, rows = read_kernel_blocks(args.csv)[args.kernel]
     col = {k: header.index(k) for k in ("Address", "Source", "Instructions Executed",
                                         "Warp Stall Sampling (All Samples)")}
-    executed = [int(r[col["Instructions Executed"]] or 0) for r in rows]
-    samples = [int(r[col["Warp Stall Sampling (All Samples)"]] or 0) for r in rows]
+    executed = [as_int(r[col["Instructions Executed"]]) for r in rows]
+    samples = [as_int(r[col["Warp Stall Sampling (All Samples)"]]) for r in rows]
     total_samples = max(1, sum(samples))
     print(f"{name[:160]}\n{sum(executed) / args.units:.0f} warp instructions per unit, "
           f"{len(rows)} SASS instructions")
