@@ -40,6 +40,13 @@ def main() -> int:
     # D = 64 with 128 keys, one key block per tile: 288 tiles, a partial last one.
     q, k = rnd(2, 1000, 48, 64), rnd(2, 128, 4, 64)
     results.append(vidattn.attention(q, k, k))
+    # A last round split into 64-row pieces (SplitTail): 146 192-row tiles on an H200's 132
+    # SMs, the last 14 as 42 pieces on CTAs that ran a whole tile first; D = 64 self attention
+    # and D = 128 with 300 keys (three warpgroups over 64-key blocks).
+    q = rnd(1, 347, 73, 64)
+    results.append(vidattn.attention(q, q, q))
+    q, k = rnd(1, 347, 73, 128), rnd(1, 300, 1, 128)
+    results.append(vidattn.attention(q, k, k))
     # D = 64 with > 4096 keys: one CTA per tile (partial query tile, partial key block).
     q, k = rnd(1, 500, 2, 64), rnd(1, 8200, 2, 64)
     results.append(vidattn.attention(q, k, k))

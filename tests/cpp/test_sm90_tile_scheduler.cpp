@@ -14,6 +14,7 @@
 
 namespace {
 
+using vidattn::cuda_sm90::SplitTail;
 using vidattn::cuda_sm90::StreamItems;
 using vidattn::cuda_sm90::TileCoord;
 using vidattn::cuda_sm90::TileScheduler;
@@ -72,6 +73,59 @@ TEST(Sm90TileScheduler, DecodeMatchesPlainDivisionAndCoversEveryTileOnce) {
       for (int t = 0; t < tiles; ++t)
         ASSERT_EQ(seen[t], 1) << "tile " << t << " of " << m_blocks << "x" << heads << "x"
                               << batch << (causal ? " causal" : "");
+    }
+  }
+}
+
+// A split last round (Traits::kSplitTail, SplitTail): slots before `from` decode as whole
+// tiles, the rest as pieces 0, 1, 2 of the tiles from `from` on; every whole tile and every piece of
+// a split tile exactly once, the split tiles starting a round.
+TEST(Sm90TileScheduler, SplitLastRoundCoversEveryPieceOnce) {
+  using vidattn::cuda_sm90::last_round_split_from;
+  EXPECT_EQ(last_round_split_from(704, 132), 660);    // 44 tiles left: 132 pieces, one each
+  EXPECT_EQ(last_round_split_from(2052, 132), 2052);  // 72 left: 216 pieces, two on some CTAs
+  EXPECT_EQ(last_round_split_from(1056, 132), 1056);  // whole rounds
+  EXPECT_EQ(last_round_split_from(40, 132), 0);       // one short round: every tile split
+  EXPECT_EQ(last_round_split_from(45, 132), 45);
+  EXPECT_EQ(last_round_split_from(5, 2), 5);  // too few CTAs to gain
+  EXPECT_EQ(last_round_split_from(1, 3), 0);
+  const std::vector<std::tuple<int, int, int, int>> shapes = {
+      {11, 16, 4, 132}, {171, 12, 1, 132}, {2, 20, 1, 132}, {3, 5, 2, 7}, {1, 1, 1, 132},
+      {2, 73, 1, 132}};
+  for (const auto& [m_blocks, heads, batch, ctas] : shapes) {
+    TileScheduler s;
+    s.set_shape(m_blocks, heads, batch, false);
+    const int tiles = s.total_tiles();
+    const int from = last_round_split_from(tiles, ctas);
+    ASSERT_EQ(from % ctas, 0);
+    ASSERT_LE(3 * (tiles - from), ctas);  // at most one piece per CTA
+    const SplitTail split{from};
+    const int slots = split.slots(s);
+    ASSERT_EQ(slots, from + 3 * (tiles - from));
+    const int grid = slots < ctas ? slots : ctas;
+    s.set_grid(grid, slots);
+    ASSERT_GE(s.slots_end, slots);
+    std::vector<int> whole(tiles, 0), pieces(3 * tiles, 0);
+    for (int slot = 0; slot < s.slots_end; ++slot) {
+      const TileCoord got = split.decode(s, slot);
+      ASSERT_EQ(got.valid, slot < slots) << "slot " << slot;
+      if (!got.valid) continue;
+      const int tile = (got.batch * heads + got.head) * m_blocks + got.m_block;
+      if (slot < from) {
+        const TileCoord want = expected(slot, grid, m_blocks, heads, batch, false);
+        ASSERT_EQ(got.piece, -1);
+        ASSERT_EQ(tile, (want.batch * heads + want.head) * m_blocks + want.m_block);
+        ++whole[tile];
+      } else {
+        ASSERT_EQ(tile, from + (slot - from) / 3) << "slot " << slot;
+        ASSERT_EQ(got.piece, (slot - from) % 3) << "slot " << slot;
+        ++pieces[3 * tile + got.piece];
+      }
+    }
+    for (int t = 0; t < tiles; ++t) {
+      ASSERT_EQ(whole[t], t < from ? 1 : 0) << "tile " << t;
+      for (int piece = 0; piece < 3; ++piece)
+        ASSERT_EQ(pieces[3 * t + piece], t < from ? 0 : 1) << "tile " << t << " piece " << piece;
     }
   }
 }

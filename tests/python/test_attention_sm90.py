@@ -102,6 +102,28 @@ def test_sm90_short_key_loops_over_several_tiles_per_cta(D, Sk, causal, dtype):
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
+# The three-warpgroup kernels (D = 64; D = 128 with at most 512 keys) split the tiles of a
+# partly filled last round into three 64-row pieces, each run by all three warpgroups over
+# every third key block and combined in shared memory (SplitTail). Heads chosen
+# from the device's SM count so that the launch has whole rounds and 14 tiles left over (42
+# pieces): whole tiles and pieces in one launch. 347 queries: the last tile's third piece ends
+# inside its 64 rows; key lengths give a partial last key block, one or two blocks (a
+# warpgroup with no block of its own), and a key count below one block. GQA (one KV head).
+@pytest.mark.parametrize("D,Sk,dtype", [(64, 1000, torch.bfloat16), (64, 100, torch.float16),
+                                        (64, 200, torch.bfloat16), (128, 300, torch.bfloat16),
+                                        (128, 64, torch.float16), (128, 512, torch.float16)])
+@pytest.mark.parametrize("input_scale", [1.0, 16.0])
+def test_sm90_split_last_round_matches_reference(D, Sk, dtype, input_scale):
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    B, Sq, Hq, Hkv = 1, 347, sms // 2 + 7, 1  # 2 tiles of 192 rows per head
+    seed = zlib.crc32(repr(("split last round", D, Sk, str(dtype), input_scale)).encode())
+    g = gen(seed)
+    q = randn((B, Sq, Hq, D), dtype, g, input_scale)
+    k = randn((B, Sk, Hkv, D), dtype, g, input_scale)
+    v = randn((B, Sk, Hkv, D), dtype, g)
+    takes_sm90(lambda: run_and_check(q, k, v, seed=seed, check_grads=False))
+
+
 # Key lengths around the 128-key block boundary: the last block holds 1, 63, 64, 65 or 127
 # keys (or none), and the masked step cuts each accumulator row at one column limit (v26 of
 # docs/perf-notes.md), which must land between a lane's two columns and between lanes alike;

@@ -178,4 +178,65 @@ __device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits
   }
 }
 
+// Traits::kSplitTail: the three warpgroups of a split piece each hold the output accumulator
+// and softmax state of the same 64 rows over a third of the key blocks; this leaves their sum
+// in warpgroup 0 (o, sm), ready for the epilogue. Through the output's staging slot, free once
+// the last TMA store has read it: per-thread row bases and sums of every warpgroup, then
+// warpgroup 1's accumulator rebased to the common base, warpgroup 2's added to it, and
+// warpgroup 0 adds its own (fp32 throughout; the same thread index holds the same (row,
+// column) in every warpgroup). Named barrier 2 spans the three consumer warpgroups. A CTA runs
+// at most one piece (last_round_split_from); racecheck is clean for that (tools/sm90_smoke.py
+// runs a whole tile, then a piece, on one CTA), and reported hazards between this function's
+// stats writes and reads when a CTA ran two pieces in a row (docs/perf-notes.md, Hopper v32).
+template <class Traits, class Frag>
+__device__ __forceinline__ void combine_split_piece(typename Traits::StreamStorage& st, Frag& o,
+                                                    OnlineSoftmax& sm, int wg, int wg_tid) {
+  static_assert(Traits::kWGPerStream == 3 && Traits::kStreams == 1);
+  constexpr int kVals = decltype(cute::size(o))::value;
+  float* partial = reinterpret_cast<float*>(st.o.data());  // [kVals][128]
+  float* stats = partial + kVals * 128;                    // [warpgroup][max0, max1, sum0, sum1][128]
+  static_assert((kVals * 128 + 3 * 4 * 128) * sizeof(float) <= sizeof(st.o));
+  auto sync = [] { asm volatile("bar.sync 2, 384;\n" ::: "memory"); };
+  if (wg_tid == 0) cute::tma_store_wait<0>();  // each thread waits for the stores it issued
+  sync();
+  float* mine = stats + wg * 4 * 128 + wg_tid;
+  mine[0] = sm.row_max[0], mine[128] = sm.row_max[1];
+  mine[256] = sm.row_sum[0], mine[384] = sm.row_sum[1];
+  sync();
+  float scale[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float m[3], l[3];
+#pragma unroll
+    for (int w = 0; w < 3; ++w) {
+      m[w] = stats[(w * 4 + r) * 128 + wg_tid];
+      l[w] = stats[(w * 4 + 2 + r) * 128 + wg_tid];
+    }
+    const float top = fmaxf(m[0], fmaxf(m[1], m[2]));
+    const float base = top == -INFINITY ? 0.f : top;  // every part empty: all factors 0
+    float f[3];
+#pragma unroll
+    for (int w = 0; w < 3; ++w) f[w] = cuda_sm80::exp2_approx(m[w] - base);
+    scale[r] = f[wg];
+    if (wg == 0) {
+      sm.row_max[r] = top;
+      sm.row_sum[r] = l[0] * f[0] + l[1] * f[1] + l[2] * f[2];
+    }
+  }
+  if (wg == 1) {
+#pragma unroll
+    for (int v = 0; v < kVals; ++v) partial[v * 128 + wg_tid] = o(v) * scale[(v >> 1) & 1];
+  }
+  sync();
+  if (wg == 2) {
+#pragma unroll
+    for (int v = 0; v < kVals; ++v) partial[v * 128 + wg_tid] += o(v) * scale[(v >> 1) & 1];
+  }
+  sync();
+  if (wg == 0) {
+#pragma unroll
+    for (int v = 0; v < kVals; ++v) o(v) = o(v) * scale[(v >> 1) & 1] + partial[v * 128 + wg_tid];
+  }
+}
+
 }  // namespace vidattn::cuda_sm90

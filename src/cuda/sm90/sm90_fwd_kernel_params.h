@@ -31,6 +31,12 @@ struct FwdKernelParams {
   struct NoTmaO {};
   std::conditional_t<Traits::kTmaStoreO, typename Traits::TmaO, NoTmaO> tma_o;
   bool store_o_by_tma = false;
+  // Traits::kSplitTail: which tiles run as 64-row pieces, and the pieces' Q load (last, so that
+  // the other kernels keep their parameter layout).
+  struct NoSplitTail {};
+  std::conditional_t<Traits::kSplitTail, SplitTail, NoSplitTail> split;
+  struct NoQPiece {};
+  std::conditional_t<Traits::kSplitTail, typename Traits::TmaQPiece, NoQPiece> tma_q_piece;
 };
 
 }  // namespace vidattn::cuda_sm90

@@ -182,6 +182,34 @@ inline bool dense_cluster_fits(const AttentionParams& a, int block_m) {
          !dense_grid_persistent(a) && ((a.seqlen_q + block_m - 1) / block_m) % 2 == 0;
 }
 
+// VIDATTN_SM90_SPLIT_TAIL=0 keeps every tile whole (for measuring the split; read once).
+inline bool split_tail_enabled() {
+  static const bool on = env_switch_on("VIDATTN_SM90_SPLIT_TAIL");
+  return on;
+}
+
+// Traits::kSplitTail: the first tile whose three 64-row pieces run apart
+// (last_round_split_from), never causal: its longest-first order already evens the CTAs out.
+// The choice depends on the launch (tiles and SMs), so a tile's output bits can differ between
+// launches of different sizes, as with any split of the key loop.
+inline int split_tail_from(const AttentionParams& a, int tiles, int ctas) {
+  if (!split_tail_enabled() || a.causal) return tiles;
+  return last_round_split_from(tiles, ctas);
+}
+
+// Query rows a tiling of block_m-row tiles puts on the busiest of `ctas` CTAs, the split of the
+// last round counted as 64 rows per piece.
+inline std::int64_t rows_on_busiest_cta(const AttentionParams& a, std::int64_t block_m,
+                                        bool split_tail, int ctas) {
+  const std::int64_t tiles =
+      std::int64_t{a.batch} * a.heads_q * ((a.seqlen_q + block_m - 1) / block_m);
+  const std::int64_t from =
+      split_tail ? split_tail_from(a, static_cast<int>(tiles), ctas) : tiles;
+  const std::int64_t whole = (from + ctas - 1) / ctas * block_m;
+  const std::int64_t pieces = 3 * (tiles - from);
+  return whole + (pieces + ctas - 1) / ctas * 64;
+}
+
 // Whether a dense D = 128 problem takes Dense128ShortTraits: at most kDense128ShortMaxKeys
 // keys, and its 192-row tiles put no more query rows on the busiest SM of the persistent grid
 // than 128-row tiles would. A grid of few tiles leaves more of the larger tile's last wave
@@ -189,14 +217,11 @@ inline bool dense_cluster_fits(const AttentionParams& a, int block_m) {
 template <class T>
 bool dense128_short_fits(const AttentionParams& a) {
   if (a.seqlen_k > kDense128ShortMaxKeys) return false;
-  const std::int64_t ctas = persistent_grid_ctas(a, cuda_sm80::current_sm_count());
-  const std::int64_t heads = std::int64_t{a.batch} * a.heads_q;
-  auto rows_on_busiest = [&](std::int64_t block_m) {
-    const std::int64_t tiles = heads * ((a.seqlen_q + block_m - 1) / block_m);
-    return (tiles + ctas - 1) / ctas * block_m;
-  };
-  return rows_on_busiest(Dense128ShortTraits<T>::kBlockM) <=
-         rows_on_busiest(DenseTraits<T, 128>::kBlockM);
+  const int ctas = persistent_grid_ctas(a, cuda_sm80::current_sm_count());
+  return rows_on_busiest_cta(a, Dense128ShortTraits<T>::kBlockM,
+                             Dense128ShortTraits<T>::kSplitTail, ctas) <=
+         rows_on_busiest_cta(a, DenseTraits<T, 128>::kBlockM, DenseTraits<T, 128>::kSplitTail,
+                             ctas);
 }
 
 // Whether the kernel has sm_90a machine code in this build (not just the empty sm_80 body).
@@ -332,11 +357,21 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
     p.prefix = make_prefix_load_maps<Traits>(a, p.kv_rows, p.tma_batch);
   p.pingpong = pingpong_enabled();
   p.rescale_slack = rescale_slack();
-  const int tiles = p.sched.total_tiles();
   const bool persistent = Traits::kStreamItems || dense_grid_persistent(a);
   const int sms = cuda_sm80::current_sm_count();
+  int tiles = p.sched.total_tiles();  // slots to hand out
+  if constexpr (Traits::kSplitTail) {
+    // The same split for either grid (one CTA per tile fills its last wave the same way), so
+    // VIDATTN_SM90_GRID keeps the bits.
+    p.split.from = split_tail_from(a, tiles, persistent_grid_ctas(a, sms));
+    if (p.split.from < tiles)
+      p.tma_q_piece = make_tma_copy(
+          SM90_TMA_LOAD{}, gmem_view<Traits>(a.q, p.q_rows, a.heads_q, p.tma_batch, a.q_strides),
+          typename Traits::SmemLayoutQPiece{});
+    tiles = p.split.slots(p.sched);
+  }
   const int grid = persistent ? std::min(tiles, persistent_grid_ctas(a, sms)) : tiles;
-  p.sched.set_grid(grid);
+  p.sched.set_grid(grid, tiles);
   cuda_sm80::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              Traits::kSmemBytes),
                         "cudaFuncSetAttribute (dynamic shared memory)");

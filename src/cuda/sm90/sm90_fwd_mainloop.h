@@ -43,19 +43,24 @@ struct StreamTile {
   std::int64_t q0;
   int head, batch;
   bool active;
+  int piece;  // Traits::kSplitTail: the 64-row piece of a split tile (q0 is its first row), or -1
 };
 
 template <class Traits>
 __device__ __forceinline__ StreamTile stream_tile(const FwdKernelParams<Traits>& p, int slot,
                                                   int stream) {
-  const TileCoord c = p.sched.decode(slot);
+  TileCoord c;
+  if constexpr (Traits::kSplitTail) c = p.split.decode(p.sched, slot);
+  else c = p.sched.decode(slot);
   StreamTile t;
+  t.piece = c.piece;
   if (!c.valid) {
     t.active = false;
     return t;
   }
   t.seq = cuda_sm80::sequence_of(p.attn, c.batch);
-  t.q0 = static_cast<std::int64_t>(c.m_block) * Traits::kBlockM + stream * Traits::kBlockMStream;
+  t.q0 = static_cast<std::int64_t>(c.m_block) * Traits::kBlockM +
+         (c.piece >= 0 ? 64 * c.piece : stream * Traits::kBlockMStream);
   t.head = c.head;
   t.batch = c.batch;
   t.active = t.q0 < t.seq.len_q;
@@ -68,6 +73,7 @@ template <class Traits>
 __device__ __forceinline__ StreamTile stream_item(const FwdKernelParams<Traits>& p, int item) {
   const TileCoord c = p.items.decode(item);
   StreamTile t;
+  t.piece = -1;
   t.seq = cuda_sm80::sequence_of(p.attn, c.batch);
   t.q0 = static_cast<std::int64_t>(c.m_block) * Traits::kBlockMStream;
   t.head = c.head;
@@ -183,10 +189,29 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
       st.item_blocks = n;
     }
     Barrier::arrive_and_expect_tx(&st.q_full, Traits::kQBytes);
-    Tensor gQ = local_tile(domain_offset(make_coord(q_base + static_cast<int>(t.q0), _0{}),
-                                         mQ(_, _, t.head, tb)),
-                           Shape<Int<BM>, Int<D>>{}, make_coord(_0{}, _0{}));
-    copy(p.tma_q.with(st.q_full), cta_q.partition_S(gQ), cta_q.partition_D(sQ));
+    bool q_loaded = false;
+    if constexpr (Traits::kSplitTail) {
+      if (t.piece >= 0) {
+        // A split piece: its 64 rows into every warpgroup's slice (the same bytes in all).
+        auto cta_piece = p.tma_q_piece.get_slice(_0{});
+        Tensor mQp = p.tma_q_piece.get_tma_tensor(
+            make_shape(p.q_rows, Int<D>{}, p.attn.heads_q, p.tma_batch));
+        Tensor gQp = local_tile(domain_offset(make_coord(q_base + static_cast<int>(t.q0), _0{}),
+                                              mQp(_, _, t.head, tb)),
+                                Shape<_64, Int<D>>{}, make_coord(_0{}, _0{}));
+        CUTE_UNROLL
+        for (int w = 0; w < Traits::kWGPerStream; ++w)
+          copy(p.tma_q_piece.with(st.q_full), cta_piece.partition_S(gQp),
+               cta_piece.partition_D(local_tile(sQ, Shape<_64, Int<D>>{}, make_coord(w, _0{}))));
+        q_loaded = true;
+      }
+    }
+    if (!q_loaded) {
+      Tensor gQ = local_tile(domain_offset(make_coord(q_base + static_cast<int>(t.q0), _0{}),
+                                           mQ(_, _, t.head, tb)),
+                             Shape<Int<BM>, Int<D>>{}, make_coord(_0{}, _0{}));
+      copy(p.tma_q.with(st.q_full), cta_q.partition_S(gQ), cta_q.partition_D(sQ));
+    }
     q_phase ^= 1u;
 
     // K of block i waits for the consumers to finish S of block i - kStagesK; V of block i
@@ -391,6 +416,63 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
         return b;
       }
     };
+    if constexpr (Traits::kSplitTail) {
+      if (t.piece >= 0) {
+        // A split piece: every warpgroup holds the same 64 query rows and takes every third
+        // key block; the others' blocks it only frees once they have landed (a slot's empty
+        // barrier counts every consumer thread, in the ring's order). Each block runs S,
+        // softmax, P V in turn: the three warpgroups keep the tensor cores busy between them.
+        const int wg = tid / 128;
+        bool first = true;
+        for (int i = 0; i < n; ++i) {
+          const RingState<Traits::kStagesV> vs = v_ring();
+          Barrier::wait(&st.k_full[ring.stage], ring.phase);
+          if (i % Traits::kWGPerStream != wg) {
+            release(&st.k_empty[ring.stage]);
+            Barrier::wait(&st.v_full[vs.stage], vs.phase);
+            release(&st.v_empty[vs.stage]);
+            advance_rings();
+            continue;
+          }
+          const KeyBlock b = landed_block(i, ring.stage);
+          warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, ring.stage), tSrS, true);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tSrS);
+          release(&st.k_empty[ring.stage]);
+          if (b.needs_mask) apply_mask(tSrS, tScS, visit, b, t.q0);
+          if (first) {
+            softmax.template update<true>(tSrS, alpha);
+          } else {
+            const bool moved = softmax.template update<false>(tSrS, alpha);
+            if (__any_sync(0xffffffffu, moved)) rescale_rows(tOrO, alpha);
+          }
+          convert_p();
+          Barrier::wait(&st.v_full[vs.stage], vs.phase);
+          warpgroup_fence_operand(tOrP);
+          warpgroup_gemm(mma_pv, tOrP, tOrV(_, _, _, vs.stage), tOrO, first);
+          warpgroup_wait<0>();
+          warpgroup_fence_operand(tOrO);
+          release(&st.v_empty[vs.stage]);
+          first = false;
+          advance_rings();
+        }
+        Barrier::arrive(&st.q_empty);
+        if (first) clear(tOrO);  // no block of its own: nothing to add (max -inf, sum 0)
+        combine_split_piece<Traits>(st, tOrO, softmax, wg, tid % 128);
+        if (wg == 0) {
+          bool stored_piece = false;
+          if (p.store_o_by_tma && (!p.attn.varlen || t.q0 + 64 <= t.seq.len_q)) {
+            write_output_by_tma<Traits>(p, st, t.seq, t.head, p.attn.varlen ? 0 : t.batch,
+                                        t.q0, tOrO, tOcO, softmax, row_limit, 0, tid % 128);
+            stored_piece = true;
+          }
+          if (!stored_piece)
+            write_output_octets<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax,
+                                         row_limit);
+        }
+        continue;
+      }
+    }
     if (n == 0) {
       Barrier::arrive(&st.q_empty);
       clear(tOrO);

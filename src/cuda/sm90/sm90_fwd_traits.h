@@ -60,6 +60,12 @@ struct FwdTraits {
   // 64-row streams (each loads its own K / V, ~8 TB/s from L2), but -2-3% for the 128-row
   // streams of the 128-token kernel (docs/perf-notes.md, Hopper v19).
   static constexpr bool kRotatedWalk = kStreamItems && kWGPerStream == 1;
+  // kSplitTail: the dense three-warpgroup kernels split the tiles of a grid's last, partly
+  // filled round into three 64-row pieces, each run by all three warpgroups over every third
+  // key block and combined in shared memory (SplitTail, sm90_tile_scheduler.h; the consumer
+  // loop; combine_split_piece): that round then takes about a third of a tile's time.
+  static constexpr bool kSplitTail =
+      kWGPerStream == 3 && kStreams == 1 && !kStreamItems && kClusterM == 1 && kTmaStoreO;
   static constexpr int kLoadRows = kHalfLoads ? kBlockN / 2 : kBlockN;  // rows per TMA load
   // The 64-token kernel loads each key tile only up to its valid keys (sm90_fwd_prefix_loads.h;
   // -5% at Wan 480p). The 128 / 256-token kernel, which moves half the bytes per FLOP, ran
@@ -142,6 +148,13 @@ struct FwdTraits {
                                      cute::SM90_TMA_LOAD_MULTICAST>;
   using TmaKV = decltype(cute::make_tma_copy(TmaKVOp{}, GmemTensor{}, SmemLayoutKVLoad{},
                                              cute::Int<kClusterM>{}));
+  // kSplitTail: a 64-row piece of Q loaded into each warpgroup's 64-row slice of the Q slot
+  // (the slices' 64-column chunks lie kBlockMStream * 64 elements apart).
+  using SmemLayoutQPiece = decltype(cute::composition(
+      SmemLayoutQ{}, cute::Layout<cute::Shape<cute::_64, cute::Int<kHeadDim>>,
+                                  cute::Stride<cute::_1, cute::Int<kBlockMStream>>>{}));
+  using TmaQPiece = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
+                                                 SmemLayoutQPiece{}));
   // A slot's rows lie 64 elements apart within a 64-column chunk, and its chunks kBlockN * 64
   // elements apart (whole swizzle atoms down the rows first): the offsets the prefix loads
   // write to (sm90_fwd_prefix_loads.h).

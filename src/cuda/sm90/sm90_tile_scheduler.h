@@ -27,7 +27,20 @@ namespace vidattn::cuda_sm90 {
 struct TileCoord {
   int m_block, head, batch;
   bool valid;
+  int piece = -1;  // SplitTail::decode: which 64-row third of a split tile, or -1 (whole tile)
 };
+
+// The first tile of the last round of `tiles` tiles on `ctas` CTAs when that round should run
+// split into three pieces per tile (SplitTail), else `tiles`. A round of r < ctas whole tiles
+// keeps ctas - r CTAs idle for a tile's time. Its 3 r pieces take about half a tile's time
+// each (a third of the key blocks, without the overlap of one warpgroup's softmax with its
+// own products, and the combination): a gain only when every CTA runs at most one piece,
+// 3 r <= ctas (two pieces in a row measured no faster than the whole tile; docs/perf-notes.md,
+// Hopper v32).
+__host__ inline int last_round_split_from(int tiles, int ctas) {
+  const int tail = tiles % ctas;
+  return tail > 0 && 3 * tail <= ctas ? tiles - tail : tiles;
+}
 
 struct TileScheduler {
   int num_m_blocks = 0;
@@ -48,11 +61,13 @@ struct TileScheduler {
     by_heads = cutlass::FastDivmod(std::max(heads_, 1));
     by_heads_batch = cutlass::FastDivmod(std::max(heads_ * batch_, 1));
   }
-  // `grid`: the CTAs the kernel is launched with (decode walks rounds of that many slots).
-  __host__ void set_grid(int grid) {
-    slots_end = grid > 0 ? (total_tiles() + grid - 1) / grid * grid : 0;
+  // `grid`: the CTAs the kernel is launched with (decode walks rounds of that many slots);
+  // `slots`: the slots to hand out (SplitTail::slots when tiles are split).
+  __host__ void set_grid(int grid, int slots) {
+    slots_end = grid > 0 ? (slots + grid - 1) / grid * grid : 0;
     by_grid = cutlass::FastDivmod(std::max(grid, 1));
   }
+  __host__ void set_grid(int grid) { set_grid(grid, total_tiles()); }
 
   __host__ __device__ __forceinline__ TileCoord decode(int slot) const {
     TileCoord c;
@@ -72,6 +87,26 @@ struct TileScheduler {
     c.valid = tile < total_tiles();
     c.m_block = m;
     by_heads(c.batch, c.head, bh);
+    return c;
+  }
+};
+
+// A split last round (Traits::kSplitTail): tiles [from, total) of a TileScheduler run as three
+// 64-row pieces each, slots from + 3 j .. from + 3 j + 2 for tile from + j, so that a CTA's
+// pieces come after all its whole tiles. Not with longest_first (decode walks tiles in plain
+// order). Kept apart from TileScheduler, whose layout the other kernels' parameters share.
+struct SplitTail {
+  int from = 0;  // the first split tile; the scheduler's total_tiles() when none is
+
+  __host__ __device__ int slots(const TileScheduler& s) const {
+    return s.total_tiles() + 2 * (s.total_tiles() - from);
+  }
+  __host__ __device__ __forceinline__ TileCoord decode(const TileScheduler& s, int slot) const {
+    if (slot < from) return s.decode(slot);
+    const int j = slot - from;
+    const int tile = from + j / 3;  // a constant divisor: a multiply-high
+    TileCoord c = s.decode(tile);
+    c.piece = j - 3 * (j / 3);
     return c;
   }
 };
