@@ -46,11 +46,12 @@ struct StreamTile {
   int piece;  // Traits::kSplitTail: the 64-row piece of a split tile (q0 is its first row), or -1
 };
 
-template <class Traits>
+// kPieces = false: the slot is known to be a whole tile (SplitTail::decode not needed).
+template <class Traits, bool kPieces = true>
 __device__ __forceinline__ StreamTile stream_tile(const FwdKernelParams<Traits>& p, int slot,
                                                   int stream) {
   TileCoord c;
-  if constexpr (Traits::kSplitTail) c = p.split.decode(p.sched, slot);
+  if constexpr (Traits::kSplitTail && kPieces) c = p.split.decode(p.sched, slot);
   else c = p.sched.decode(slot);
   StreamTile t;
   t.piece = c.piece;
@@ -83,11 +84,11 @@ __device__ __forceinline__ StreamTile stream_item(const FwdKernelParams<Traits>&
 }
 
 // The tile of `slot`: a stream item (Traits::kStreamItems) or a slot of the static schedule.
-template <class Traits>
+template <class Traits, bool kPieces = true>
 __device__ __forceinline__ StreamTile tile_of_slot(const FwdKernelParams<Traits>& p, int slot,
                                                    int stream) {
   if constexpr (Traits::kStreamItems) return stream_item(p, slot);
-  else return stream_tile(p, slot, stream);
+  else return stream_tile<Traits, kPieces>(p, slot, stream);
 }
 
 // wgmma helper: C (+)= A B over the k-blocks of the operands, one commit group.
@@ -540,7 +541,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       // the old values.
       int same_slot = slot;
       asm volatile("" : "+r"(same_slot));
-      t = tile_of_slot(p, same_slot, stream);
+      t = tile_of_slot<Traits, false>(p, same_slot, stream);  // a whole tile: no piece here
       visit = Visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
       row_limit = query_row_limit();
       for (; i < n; ++i) step(i, cute::Int<1>{});
