@@ -197,8 +197,9 @@ inline int split_tail_from(const AttentionParams& a, int tiles, int ctas) {
   return last_round_split_from(tiles, ctas);
 }
 
-// Query rows a tiling of block_m-row tiles puts on the busiest of `ctas` CTAs, the split of the
-// last round counted as 64 rows per piece.
+// Query rows a tiling of block_m-row tiles puts on the busiest of `ctas` CTAs, a piece of a
+// split last round counted as its 64 rows (at 2048 x 16 heads, 300 keys that choice, 192-row
+// tiles with the split, ran level with the 128-row tiles it replaced; perf-notes, v32).
 inline std::int64_t rows_on_busiest_cta(const AttentionParams& a, std::int64_t block_m,
                                         bool split_tail, int ctas) {
   const std::int64_t tiles =
@@ -359,19 +360,19 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.rescale_slack = rescale_slack();
   const bool persistent = Traits::kStreamItems || dense_grid_persistent(a);
   const int sms = cuda_sm80::current_sm_count();
-  int tiles = p.sched.total_tiles();  // slots to hand out
+  int slots = p.sched.total_tiles();  // one per tile, three per split tile
   if constexpr (Traits::kSplitTail) {
     // The same split for either grid (one CTA per tile fills its last wave the same way), so
     // VIDATTN_SM90_GRID keeps the bits.
-    p.split.from = split_tail_from(a, tiles, persistent_grid_ctas(a, sms));
-    if (p.split.from < tiles)
+    p.split.from = split_tail_from(a, slots, persistent_grid_ctas(a, sms));
+    if (p.split.from < slots)
       p.tma_q_piece = make_tma_copy(
           SM90_TMA_LOAD{}, gmem_view<Traits>(a.q, p.q_rows, a.heads_q, p.tma_batch, a.q_strides),
           typename Traits::SmemLayoutQPiece{});
-    tiles = p.split.slots(p.sched);
+    slots = p.split.slots(p.sched);
   }
-  const int grid = persistent ? std::min(tiles, persistent_grid_ctas(a, sms)) : tiles;
-  p.sched.set_grid(grid, tiles);
+  const int grid = persistent ? std::min(slots, persistent_grid_ctas(a, sms)) : slots;
+  p.sched.set_grid(grid, slots);
   cuda_sm80::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              Traits::kSmemBytes),
                         "cudaFuncSetAttribute (dynamic shared memory)");

@@ -63,7 +63,7 @@ struct FwdTraits {
   // kSplitTail: the dense three-warpgroup kernels split the tiles of a grid's last, partly
   // filled round into three 64-row pieces, each run by all three warpgroups over every third
   // key block and combined in shared memory (SplitTail, sm90_tile_scheduler.h; the consumer
-  // loop; combine_split_piece): that round then takes about a third of a tile's time.
+  // loop; combine_split_piece): that round then takes about half a tile's time (v32).
   static constexpr bool kSplitTail =
       kWGPerStream == 3 && kStreams == 1 && !kStreamItems && kClusterM == 1 && kTmaStoreO;
   static constexpr int kLoadRows = kHalfLoads ? kBlockN / 2 : kBlockN;  // rows per TMA load
