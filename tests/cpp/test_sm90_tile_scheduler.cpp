@@ -54,7 +54,7 @@ TEST(Sm90TileScheduler, DecodeMatchesPlainDivisionAndCoversEveryTileOnce) {
       s.set_shape(m_blocks, heads, batch, causal);
       const int tiles = s.total_tiles();
       const int grid = grid_hint < tiles ? grid_hint : tiles;
-      s.set_grid(grid);
+      s.set_grid(grid, tiles);
       ASSERT_EQ(s.slots_end % grid, 0);
       ASSERT_GE(s.slots_end, tiles);
       std::vector<int> seen(tiles, 0);

@@ -397,6 +397,21 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     std::int64_t row_limit = query_row_limit();
     OnlineSoftmax softmax(p.attn.scale, p.rescale_slack);
     float alpha[2];
+    // The normalised output of tOrO, as the 64 rows from q0 + 64 wg: by TMA from shared memory
+    // (Traits::kTmaStoreO), or each thread's own stores (a varlen sequence that ends inside
+    // those rows, or VIDATTN_SM90_TMA_STORE_O=0).
+    auto write_output = [&](int wg) __attribute__((always_inline)) {
+      bool stored = false;
+      if constexpr (Traits::kTmaStoreO) {
+        if (p.store_o_by_tma && (!p.attn.varlen || t.q0 + 64 * (wg + 1) <= t.seq.len_q)) {
+          write_output_by_tma<Traits>(p, st, t.seq, t.head, p.attn.varlen ? 0 : t.batch, t.q0,
+                                      tOrO, tOcO, softmax, row_limit, wg, tid % 128);
+          stored = true;
+        }
+      }
+      if (!stored)
+        write_output_octets<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax, row_limit);
+    };
 
     if constexpr (!Traits::kStreamItems) {
       Barrier::wait(&st.q_full, q_phase);
@@ -460,17 +475,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
         Barrier::arrive(&st.q_empty);
         if (first) clear(tOrO);  // no block of its own: nothing to add (max -inf, sum 0)
         combine_split_piece<Traits>(st, tOrO, softmax, wg, tid % 128);
-        if (wg == 0) {
-          bool stored_piece = false;
-          if (p.store_o_by_tma && (!p.attn.varlen || t.q0 + 64 <= t.seq.len_q)) {
-            write_output_by_tma<Traits>(p, st, t.seq, t.head, p.attn.varlen ? 0 : t.batch,
-                                        t.q0, tOrO, tOcO, softmax, row_limit, 0, tid % 128);
-            stored_piece = true;
-          }
-          if (!stored_piece)
-            write_output_octets<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax,
-                                         row_limit);
-        }
+        if (wg == 0) write_output(0);  // the piece's rows, from warpgroup 0's accumulator
         continue;
       }
     }
@@ -556,17 +561,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     release(&st.v_empty[prev.stage]);
-    bool stored = false;
-    if constexpr (Traits::kTmaStoreO) {
-      const int wg = tid / 128;
-      if (p.store_o_by_tma && (!p.attn.varlen || t.q0 + 64 * (wg + 1) <= t.seq.len_q)) {
-        write_output_by_tma<Traits>(p, st, t.seq, t.head, p.attn.varlen ? 0 : t.batch, t.q0,
-                                    tOrO, tOcO, softmax, row_limit, wg, tid % 128);
-        stored = true;
-      }
-    }
-    if (!stored)
-      write_output_octets<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax, row_limit);
+    write_output(tid / 128);
     hand_over(slot);
   }
   hand_over(-1);

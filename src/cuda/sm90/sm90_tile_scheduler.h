@@ -67,7 +67,6 @@ struct TileScheduler {
     slots_end = grid > 0 ? (slots + grid - 1) / grid * grid : 0;
     by_grid = cutlass::FastDivmod(std::max(grid, 1));
   }
-  __host__ void set_grid(int grid) { set_grid(grid, total_tiles()); }
 
   __host__ __device__ __forceinline__ TileCoord decode(int slot) const {
     TileCoord c;
