@@ -100,7 +100,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int consumer = threadIdx.x - 128;
-    const int stream = consumer / kConsumersPerStream;
+    // Broadcast from lane 0: the compiler then treats the stream (and all that depends on it:
+    // the tile's rows, key blocks, ring positions) as uniform across the warp.
+    const int stream = __shfl_sync(0xffffffffu, consumer / kConsumersPerStream, 0);
     consumer_loop<Traits, Visit>(p, shared.stream[stream], stream,
                                  consumer % kConsumersPerStream);
   }

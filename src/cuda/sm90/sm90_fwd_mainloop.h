@@ -308,14 +308,21 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockMStream, BN = Traits::kBlockN;
   typename Traits::MmaQK mma_qk;
   typename Traits::MmaPV mma_pv;
+  // The thread's warpgroup, broadcast from lane 0 so that the compiler knows it is the same
+  // in the whole warp: the shared-memory descriptors of Q, K and V (the same for every thread
+  // of a warpgroup) then live in uniform registers, computed there, instead of in ~16
+  // ordinary registers per operand with two R2UR moves per descriptor before each wgmma.
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
   auto thr_qk = mma_qk.get_thread_slice(tid);
   auto thr_pv = mma_pv.get_thread_slice(tid);
+  auto wg_qk = mma_qk.get_thread_slice(wg * 128);  // operand descriptors: per warpgroup
+  auto wg_pv = mma_pv.get_thread_slice(wg * 128);
   Tensor sQ = make_tensor(make_smem_ptr(st.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(st.k.data()), typename Traits::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(st.v.data()), typename Traits::SmemLayoutVt{});
-  Tensor tSrQ = thr_qk.partition_fragment_A(sQ);   // smem descriptors
-  Tensor tSrK = thr_qk.partition_fragment_B(sK);   // (mma, n, k, stage)
-  Tensor tOrV = thr_pv.partition_fragment_B(sVt);  // (mma, d, keys, stage)
+  Tensor tSrQ = wg_qk.partition_fragment_A(sQ);   // smem descriptors
+  Tensor tSrK = wg_qk.partition_fragment_B(sK);   // (mma, n, k, stage)
+  Tensor tOrV = wg_pv.partition_fragment_B(sVt);  // (mma, d, keys, stage)
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<BM>, Int<BN>>{});
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<BM>, Int<D>>{});
   // P as the A operand of the RS product: value order of the accumulator, k-blocks of 16.
@@ -331,7 +338,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       tOrP32(i) = pack_pair<Element>(tSrS(2 * i), tSrS(2 * i + 1));
   };
 
-  const PingPong turns(p.pingpong, tid / 128, Traits::kWGPerStream, stream);
+  const PingPong turns(p.pingpong, wg, Traits::kWGPerStream, stream);
   // Frees a K / V slot. kClusterM > 1: every CTA of the cluster loads into it, so lane c of
   // each warp tells CTA c (after wgmma.wait_group, which the warp runs converged).
   auto release = [&](uint64_t* empty) {
@@ -397,15 +404,15 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     std::int64_t row_limit = query_row_limit();
     OnlineSoftmax softmax(p.attn.scale, p.rescale_slack);
     float alpha[2];
-    // The normalised output of tOrO, as the 64 rows from q0 + 64 wg: by TMA from shared memory
+    // The normalised output of tOrO, as the 64 rows from q0 + 64 rows_wg: by TMA from shared memory
     // (Traits::kTmaStoreO), or each thread's own stores (a varlen sequence that ends inside
     // those rows, or VIDATTN_SM90_TMA_STORE_O=0).
-    auto write_output = [&](int wg) __attribute__((always_inline)) {
+    auto write_output = [&](int rows_wg) __attribute__((always_inline)) {
       bool stored = false;
       if constexpr (Traits::kTmaStoreO) {
-        if (p.store_o_by_tma && (!p.attn.varlen || t.q0 + 64 * (wg + 1) <= t.seq.len_q)) {
+        if (p.store_o_by_tma && (!p.attn.varlen || t.q0 + 64 * (rows_wg + 1) <= t.seq.len_q)) {
           write_output_by_tma<Traits>(p, st, t.seq, t.head, p.attn.varlen ? 0 : t.batch, t.q0,
-                                      tOrO, tOcO, softmax, row_limit, wg, tid % 128);
+                                      tOrO, tOcO, softmax, row_limit, rows_wg, tid % 128);
           stored = true;
         }
       }
@@ -438,7 +445,6 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
         // key block; the others' blocks it only frees once they have landed (a slot's empty
         // barrier counts every consumer thread, in the ring's order). Each block runs S,
         // softmax, P V in turn: the three warpgroups keep the tensor cores busy between them.
-        const int wg = tid / 128;
         bool first = true;
         for (int i = 0; i < n; ++i) {
           const RingState<Traits::kStagesV> vs = v_ring();
@@ -561,7 +567,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     release(&st.v_empty[prev.stage]);
-    write_output(tid / 128);
+    write_output(wg);
     hand_over(slot);
   }
   hand_over(-1);
