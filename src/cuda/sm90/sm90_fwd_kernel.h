@@ -100,9 +100,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int consumer = threadIdx.x - 128;
-    // Broadcast from lane 0: the compiler then treats the stream (and all that depends on it:
-    // the tile's rows, key blocks, ring positions) as uniform across the warp.
-    const int stream = __shfl_sync(0xffffffffu, consumer / kConsumersPerStream, 0);
+    // Warp-uniform to the compiler, and with it all that depends on the stream (the tile's
+    // rows, key blocks, ring positions).
+    const int stream = warp_uniform(consumer / kConsumersPerStream);
     consumer_loop<Traits, Visit>(p, shared.stream[stream], stream,
                                  consumer % kConsumersPerStream);
   }

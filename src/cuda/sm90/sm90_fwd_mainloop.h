@@ -91,6 +91,10 @@ __device__ __forceinline__ StreamTile tile_of_slot(const FwdKernelParams<Traits>
   else return stream_tile<Traits, kPieces>(p, slot, stream);
 }
 
+// x as lane 0 holds it: the compiler then treats it as the same across the warp (shared-
+// memory descriptors built from it stay in uniform registers).
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 // wgmma helper: C (+)= A B over the k-blocks of the operands, one commit group.
 template <class Mma, class TA, class TB, class TC>
 __device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA const& a, TB const& b, TC& c,
@@ -308,11 +312,11 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   constexpr int D = Traits::kHeadDim, BM = Traits::kBlockMStream, BN = Traits::kBlockN;
   typename Traits::MmaQK mma_qk;
   typename Traits::MmaPV mma_pv;
-  // The thread's warpgroup, broadcast from lane 0 so that the compiler knows it is the same
-  // in the whole warp: the shared-memory descriptors of Q, K and V (the same for every thread
-  // of a warpgroup) then live in uniform registers, computed there, instead of in ~16
-  // ordinary registers per operand with two R2UR moves per descriptor before each wgmma.
-  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0);
+  // The thread's warpgroup, warp-uniform to the compiler: the shared-memory descriptors of
+  // Q, K and V (the same for every thread of a warpgroup) then live in uniform registers,
+  // computed there, instead of in ~16 ordinary registers per operand with two R2UR moves per
+  // descriptor before each wgmma (the ring slots likewise, by warp_uniform at each product).
+  const int wg = warp_uniform(tid / 128);
   auto thr_qk = mma_qk.get_thread_slice(tid);
   auto thr_pv = mma_pv.get_thread_slice(tid);
   auto wg_qk = mma_qk.get_thread_slice(wg * 128);  // operand descriptors: per warpgroup
@@ -457,7 +461,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
             continue;
           }
           const KeyBlock b = landed_block(i, ring.stage);
-          warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, ring.stage), tSrS, true);
+          warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, warp_uniform(ring.stage)), tSrS, true);
           warpgroup_wait<0>();
           warpgroup_fence_operand(tSrS);
           release(&st.k_empty[ring.stage]);
@@ -471,7 +475,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
           convert_p();
           Barrier::wait(&st.v_full[vs.stage], vs.phase);
           warpgroup_fence_operand(tOrP);
-          warpgroup_gemm(mma_pv, tOrP, tOrV(_, _, _, vs.stage), tOrO, first);
+          warpgroup_gemm(mma_pv, tOrP, tOrV(_, _, _, warp_uniform(vs.stage)), tOrO, first);
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
           release(&st.v_empty[vs.stage]);
@@ -497,7 +501,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     Barrier::wait(&st.k_full[ring.stage], ring.phase);
     const KeyBlock kb = landed_block(0, ring.stage);
     turns.wait_turn();
-    warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, ring.stage), tSrS, true);
+    warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, warp_uniform(ring.stage)), tSrS, true);
     turns.pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
@@ -519,9 +523,9 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       if constexpr (kMaskMode != 0) b = landed_block(i, ring.stage);
       Barrier::wait(&st.v_full[prev.stage], prev.phase);
       turns.wait_turn();
-      warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, ring.stage), tSrS, true);
+      warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, warp_uniform(ring.stage)), tSrS, true);
       warpgroup_fence_operand(tOrP);
-      warpgroup_gemm(mma_pv, tOrP, tOrV(_, _, _, prev.stage), tOrO, i == 1);
+      warpgroup_gemm(mma_pv, tOrP, tOrV(_, _, _, warp_uniform(prev.stage)), tOrO, i == 1);
       turns.pass_turn();
       warpgroup_wait<1>();  // S of block i is ready; P V of block i - 1 still runs
       warpgroup_fence_operand(tSrS);
@@ -562,7 +566,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     Barrier::wait(&st.v_full[prev.stage], prev.phase);
     turns.wait_turn();
     warpgroup_fence_operand(tOrP);
-    warpgroup_gemm(mma_pv, tOrP, tOrV(_, _, _, prev.stage), tOrO, n == 1);
+    warpgroup_gemm(mma_pv, tOrP, tOrV(_, _, _, warp_uniform(prev.stage)), tOrO, n == 1);
     turns.pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
