@@ -100,8 +100,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   } else {
     cutlass::arch::warpgroup_reg_alloc<Traits::kConsumerRegs>();
     const int consumer = threadIdx.x - 128;
-    // Warp-uniform to the compiler, and with it all that depends on the stream (the tile's
-    // rows, key blocks, ring positions).
+    // Warp-uniform to the compiler, and with it what follows from the stream (the tile's
+    // rows and key blocks; the ring slots get their own warp_uniform in consumer_loop).
     const int stream = warp_uniform(consumer / kConsumersPerStream);
     consumer_loop<Traits, Visit>(p, shared.stream[stream], stream,
                                  consumer % kConsumersPerStream);
