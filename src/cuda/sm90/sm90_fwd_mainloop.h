@@ -315,7 +315,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   // The thread's warpgroup, warp-uniform to the compiler: the shared-memory descriptors of
   // Q, K and V (the same for every thread of a warpgroup) then live in uniform registers,
   // computed there, instead of in ~16 ordinary registers per operand with two R2UR moves per
-  // descriptor before each wgmma (the ring slots likewise, by warp_uniform at each product).
+  // descriptor before each wgmma (the ring slots likewise: k_slot / v_slot below).
   const int wg = warp_uniform(tid / 128);
   auto thr_qk = mma_qk.get_thread_slice(tid);
   auto thr_pv = mma_pv.get_thread_slice(tid);
@@ -327,6 +327,10 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   Tensor tSrQ = wg_qk.partition_fragment_A(sQ);   // smem descriptors
   Tensor tSrK = wg_qk.partition_fragment_B(sK);   // (mma, n, k, stage)
   Tensor tOrV = wg_pv.partition_fragment_B(sVt);  // (mma, d, keys, stage)
+  // The descriptors of ring slot `stage`, its index made warp-uniform (v34: the ring position
+  // is loop-carried and the compiler keeps it per thread).
+  auto k_slot = [&](int stage) { return tSrK(_, _, _, warp_uniform(stage)); };
+  auto v_slot = [&](int stage) { return tOrV(_, _, _, warp_uniform(stage)); };
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<BM>, Int<BN>>{});
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<BM>, Int<D>>{});
   // P as the A operand of the RS product: value order of the accumulator, k-blocks of 16.
@@ -461,7 +465,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
             continue;
           }
           const KeyBlock b = landed_block(i, ring.stage);
-          warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, warp_uniform(ring.stage)), tSrS, true);
+          warpgroup_gemm(mma_qk, tSrQ, k_slot(ring.stage), tSrS, true);
           warpgroup_wait<0>();
           warpgroup_fence_operand(tSrS);
           release(&st.k_empty[ring.stage]);
@@ -475,7 +479,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
           convert_p();
           Barrier::wait(&st.v_full[vs.stage], vs.phase);
           warpgroup_fence_operand(tOrP);
-          warpgroup_gemm(mma_pv, tOrP, tOrV(_, _, _, warp_uniform(vs.stage)), tOrO, first);
+          warpgroup_gemm(mma_pv, tOrP, v_slot(vs.stage), tOrO, first);
           warpgroup_wait<0>();
           warpgroup_fence_operand(tOrO);
           release(&st.v_empty[vs.stage]);
@@ -501,7 +505,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     Barrier::wait(&st.k_full[ring.stage], ring.phase);
     const KeyBlock kb = landed_block(0, ring.stage);
     turns.wait_turn();
-    warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, warp_uniform(ring.stage)), tSrS, true);
+    warpgroup_gemm(mma_qk, tSrQ, k_slot(ring.stage), tSrS, true);
     turns.pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
@@ -523,9 +527,9 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       if constexpr (kMaskMode != 0) b = landed_block(i, ring.stage);
       Barrier::wait(&st.v_full[prev.stage], prev.phase);
       turns.wait_turn();
-      warpgroup_gemm(mma_qk, tSrQ, tSrK(_, _, _, warp_uniform(ring.stage)), tSrS, true);
+      warpgroup_gemm(mma_qk, tSrQ, k_slot(ring.stage), tSrS, true);
       warpgroup_fence_operand(tOrP);
-      warpgroup_gemm(mma_pv, tOrP, tOrV(_, _, _, warp_uniform(prev.stage)), tOrO, i == 1);
+      warpgroup_gemm(mma_pv, tOrP, v_slot(prev.stage), tOrO, i == 1);
       turns.pass_turn();
       warpgroup_wait<1>();  // S of block i is ready; P V of block i - 1 still runs
       warpgroup_fence_operand(tSrS);
@@ -566,7 +570,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     Barrier::wait(&st.v_full[prev.stage], prev.phase);
     turns.wait_turn();
     warpgroup_fence_operand(tOrP);
-    warpgroup_gemm(mma_pv, tOrP, tOrV(_, _, _, warp_uniform(prev.stage)), tOrO, n == 1);
+    warpgroup_gemm(mma_pv, tOrP, v_slot(prev.stage), tOrO, n == 1);
     turns.pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
