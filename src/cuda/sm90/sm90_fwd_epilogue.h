@@ -13,6 +13,7 @@
 #include "../sm80/softmax_mask.h"
 #include "../sm80/tile_io.h"
 #include "sm90_fwd_kernel_params.h"
+#include "sm90_fwd_output_stsm.h"
 #include "sm90_fwd_params.h"
 #include "sm90_fwd_softmax.h"
 
@@ -57,11 +58,12 @@ struct OutputRow {
   bool valid, empty;
 };
 
+// quad_row_sum: the row's sum over its quad (cuda_sm80::quad_sum, which every lane runs).
 __device__ __forceinline__ OutputRow end_output_row(const AttentionParams& p, const Sequence& seq,
-                                                    std::int64_t i, float row_sum,
+                                                    std::int64_t i, float quad_row_sum,
                                                     std::int64_t row_limit) {
   OutputRow row;
-  row.sum = cuda_sm80::quad_sum(row_sum);  // every lane shuffles, valid or not
+  row.sum = quad_row_sum;
   row.i = i;
   row.valid = i < seq.len_q;
   row.empty = !(row.sum > 0.f);
@@ -100,8 +102,8 @@ __device__ __forceinline__ void write_output_octets(const AttentionParams& p, co
   auto* out = static_cast<std::uint16_t*>(p.out);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const OutputRow row =
-        end_output_row(p, seq, q0 + cute::get<0>(coords(2 * r)), sm.row_sum[r], row_limit);
+    const OutputRow row = end_output_row(p, seq, q0 + cute::get<0>(coords(2 * r)),
+                                         cuda_sm80::quad_sum(sm.row_sum[r]), row_limit);
     std::uint16_t* dst = out + cuda_sm80::q_side_offset(p, p.out_strides, seq, row.i, h);
     const int col0 = cute::get<1>(coords(2 * r)) - 2 * quad_lane;  // column of octet 0
 #pragma unroll
@@ -138,35 +140,62 @@ __device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int D = Traits::kHeadDim;
+  constexpr int kPairs = decltype(size(o))::value / 2;
   static_assert(Traits::kStreams == 1, "named barriers 4 + wg serve one stream");
+  static_assert(sizeof(Element) == 2 && kPairs == D / 4, "64 x D 16-bit output per warpgroup");
   const AttentionParams& a = p.attn;
   const int lane = threadIdx.x & 31;
-  OutputRow rows[2];  // the thread's two rows (wgmma's accumulator: row halves)
+  float sum[2], inv[2];
+  for (int r = 0; r < 2; ++r) sum[r] = cuda_sm80::quad_sum(sm.row_sum[r]);
+  // Plain rows, the usual case: the warpgroup's 64 rows exist, none is a padded query or past
+  // row_limit, and each saw a key (sum > 0). Then no row needs zeros, and the normaliser is
+  // MUFU's reciprocal alone, its log2 too (sum >= 1: the base is at or below the row's max,
+  // so no denormal to care for).
+  const std::int64_t rows_end = q0 + 64 * (wg + 1);
+  const bool rows_exist = !a.query_mask && rows_end <= seq.len_q && rows_end <= row_limit;
+  const bool plain = __all_sync(0xffffffffu, sum[0] > 0.f && sum[1] > 0.f) && rows_exist;
+  std::uint32_t out32[kPairs];
+  if (plain) {
+    for (int r = 0; r < 2; ++r) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv[r]) : "f"(sum[r]));
+    if ((lane & 3) == 0) {
+      float* lse = a.lse + cuda_sm80::q_side_offset(a, a.lse_strides, seq, q0, h);
+      for (int r = 0; r < 2; ++r) {
+        float log2_sum;
+        asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(log2_sum) : "f"(sum[r]));
+        lse[get<0>(coords(2 * r)) * a.lse_strides.row] =
+            (sm.row_max[r] + log2_sum) * 0.6931471805599453f;
+      }
+    }
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    rows[r] = end_output_row(a, seq, q0 + get<0>(coords(2 * r)), sm.row_sum[r], row_limit);
-    if (rows[r].valid && (lane & 3) == 0) store_lse(a, seq, h, rows[r], sm.row_max[r]);
-  }
-  // Values 2j and 2j + 1 share a row: row half j % 2 (wgmma's accumulator order). Exact zeros
-  // for empty rows (0 * NaN is NaN).
-  Tensor out = make_tensor_like<Element>(o);
-  Tensor out32 = recast<std::uint32_t>(out);
+    for (int j = 0; j < kPairs; ++j)
+      out32[j] = pack_pair<Element>(o(2 * j) * inv[j & 1], o(2 * j + 1) * inv[j & 1]);
+  } else {
+    OutputRow rows[2];  // the thread's two rows (wgmma's accumulator: row halves)
 #pragma unroll
-  for (int j = 0; j < size(out32); ++j) {
-    const OutputRow& row = rows[j & 1];
-    out32(j) = row.empty ? 0u : pack_pair<Element>(o(2 * j) * row.inv, o(2 * j + 1) * row.inv);
+    for (int r = 0; r < 2; ++r) {
+      rows[r] = end_output_row(a, seq, q0 + get<0>(coords(2 * r)), sum[r], row_limit);
+      if (rows[r].valid && (lane & 3) == 0) store_lse(a, seq, h, rows[r], sm.row_max[r]);
+    }
+    // Exact zeros for empty rows (0 * NaN is NaN).
+#pragma unroll
+    for (int j = 0; j < kPairs; ++j) {
+      const OutputRow& row = rows[j & 1];
+      out32[j] = row.empty ? 0u : pack_pair<Element>(o(2 * j) * row.inv, o(2 * j + 1) * row.inv);
+    }
   }
-  Tensor sO = make_tensor(make_smem_ptr(st.o.data()), typename Traits::SmemLayoutO{})(_, _, wg);
   const int bar = 4 + wg;
   if (wg_tid == 0) tma_store_wait<0>();
   asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
-  auto smem_copy = make_tiled_copy_C(Copy_Atom<SM90_U32x4_STSM_N, Element>{},
-                                     typename Traits::MmaPVOneWG{});
-  auto thr_copy = smem_copy.get_thread_slice(wg_tid);
-  copy(smem_copy, thr_copy.retile_S(out), thr_copy.partition_D(sO));
+  const std::uint32_t address0 =
+      cast_smem_ptr_to_uint(st.o.data() + wg * 64 * D) + stsm_o_lane_offset(wg_tid);
+#pragma unroll
+  for (int s = 0; s < D / 16; ++s)
+    stsm_x4(stsm_o_address(address0, s), out32[4 * s], out32[4 * s + 1], out32[4 * s + 2],
+            out32[4 * s + 3]);
   tma_store_fence();  // the generic-proxy writes above, seen by the TMA store
   asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
   if (wg_tid == 0) {
+    Tensor sO = make_tensor(make_smem_ptr(st.o.data()), typename Traits::SmemLayoutO{})(_, _, wg);
     Tensor mO = p.tma_o.get_tma_tensor(make_shape(p.q_rows, Int<D>{}, a.heads_q, p.tma_batch));
     const int q_base = a.varlen ? static_cast<int>(seq.first_q) : 0;
     Tensor gO = local_tile(domain_offset(make_coord(q_base + static_cast<int>(q0) + 64 * wg, _0{}),

@@ -164,6 +164,18 @@ struct FwdTraits {
   // O staged for the TMA store: one 64-row slot per warpgroup of the stream.
   using SmemLayoutO = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kWGPerStream>>{}));
+  // 128-byte swizzle of byte addresses (bits 4-6 ^= bits 7-9); before it, 64 elements per
+  // row, the 64-column blocks 64 x 64 apart, the warpgroups' slots 64 x D apart. The
+  // epilogue's stmatrix addresses (sm90_fwd_output_stsm.h) rely on it.
+  static_assert(std::is_same_v<decltype(SmemLayoutO{}.layout_a()), cute::Swizzle<3, 4, 3>> &&
+                sizeof(Element) == 2);
+  static_assert(SmemLayoutO{}.layout_b()(cute::make_coord(1, 0, 0)) == 64 &&
+                SmemLayoutO{}.layout_b()(cute::make_coord(8, 0, 0)) == 8 * 64 &&
+                SmemLayoutO{}.layout_b()(cute::make_coord(0, 1, 0)) == 1 &&
+                SmemLayoutO{}.layout_b()(cute::make_coord(0, kHeadDim - 1, 0)) ==
+                    (kHeadDim - 1) / 64 * 64 * 64 + (kHeadDim - 1) % 64 &&
+                SmemLayoutO{}.layout_b()(cute::make_coord(0, 0, kWGPerStream - 1)) ==
+                    (kWGPerStream - 1) * 64 * kHeadDim);
   using SmemLayoutOStore = decltype(cute::take<0, 2>(SmemLayoutO{}));
   using TmaO = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GmemTensor{},
                                             SmemLayoutOStore{}));

@@ -1,0 +1,40 @@
+// Where each thread's stmatrix stores put the output accumulator in a warpgroup's 64 x D
+// shared-memory slot before the TMA store (sm90_fwd_epilogue.h). Torch- and cute-free, so the
+// host test tests/cpp/test_sm90_output_stsm.cpp can check it against cute's layout.
+#pragma once
+
+#include <cuda_runtime.h>  // __host__ / __device__ for a host compiler
+
+#include <cstdint>
+
+namespace vidattn::cuda_sm90 {
+
+// The stmatrix (.x4) addresses of a warpgroup's 64 x D output slot in shared memory
+// (SmemLayoutO, 16-bit elements: 128-byte-swizzled atoms of 8 rows x 64 columns, down the
+// rows, then across the 64-column blocks). Store s covers columns 16 s .. 16 s + 15 of the
+// warp's 16 rows: lane l gives the address of row 16 w + 8 ((l >> 3) & 1) + (l & 7), column
+// octet 2 s + (l >> 4); the swizzle XORs a row's 16-byte chunk index with the row mod 8.
+// Worked out here once per thread: cute's partition applied the swizzle to each store's 64-bit
+// generic address (about six integer instructions per store, in every tile's epilogue).
+__host__ __device__ constexpr std::uint32_t stsm_o_lane_offset(int wg_tid) {
+  const int lane = wg_tid & 31, warp = wg_tid >> 5;
+  const int row = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
+  return static_cast<std::uint32_t>(row * 128 + 16 * (((lane >> 4) & 1) ^ (lane & 7)));
+}
+// Store s from the lane's address of store 0 (which has 128-byte-aligned bits above the chunk).
+__host__ __device__ constexpr std::uint32_t stsm_o_address(std::uint32_t lane_address0, int s) {
+  return (lane_address0 ^ (32u * static_cast<std::uint32_t>(s % 4))) +
+         8192u * static_cast<std::uint32_t>(s / 4);
+}
+#if defined(__CUDACC__)
+// Store s's four matrices are value pairs 4 s .. 4 s + 3 of the thread's accumulator (pair j:
+// values 2 j, 2 j + 1, row half j % 2, column octet j / 2), in stmatrix's matrix order.
+__device__ __forceinline__ void stsm_x4(std::uint32_t address, std::uint32_t r0, std::uint32_t r1,
+                                        std::uint32_t r2, std::uint32_t r3) {
+  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address),
+               "r"(r0), "r"(r1), "r"(r2), "r"(r3)
+               : "memory");
+}
+#endif
+
+}  // namespace vidattn::cuda_sm90

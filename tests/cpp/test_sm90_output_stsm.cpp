@@ -1,0 +1,77 @@
+// The sm_90a epilogue's stmatrix addresses (src/cuda/sm90/sm90_fwd_output_stsm.h), run on the
+// host against cute: every (thread, store, matrix row) must land where the output slot's
+// layout (FwdTraits::SmemLayoutO, the layout the TMA store reads) puts that row and column,
+// and the stores of a warpgroup must cover its slot exactly once. (The kernels' outputs are
+// checked on a GPU: tests/python/test_attention_sm90.py.)
+#include <gtest/gtest.h>
+
+#if VIDATTN_TESTS_SM90_SCHEDULER
+#include <cuda_runtime.h>  // __host__ / __device__ for a host compiler
+
+#include <cstdint>
+#include <vector>
+
+#include <cute/tensor.hpp>
+
+#include "cuda/sm90/sm90_fwd_output_stsm.h"
+#include "cuda/sm90/sm90_fwd_traits.h"
+
+namespace {
+
+using vidattn::cuda_sm90::stsm_o_address;
+using vidattn::cuda_sm90::stsm_o_lane_offset;
+
+// Byte offset of (row, column) of warpgroup wg's slot, as cute's swizzled shared-memory tensor
+// addresses it (a 1024-byte-aligned base, as the kernels' storage is; nothing is read).
+template <class Traits>
+std::uint32_t slot_offset(int row, int col, int wg) {
+  using Element = typename Traits::Element;
+  Element* base = reinterpret_cast<Element*>(std::uintptr_t{1} << 20);
+  auto tensor = cute::make_tensor(cute::make_smem_ptr(base), typename Traits::SmemLayoutO{});
+  const auto* at = cute::raw_pointer_cast(&tensor(row, col, wg));
+  return static_cast<std::uint32_t>(reinterpret_cast<const char*>(at) -
+                                    reinterpret_cast<const char*>(base));
+}
+
+template <class Traits>
+void check_stores() {
+  constexpr int D = Traits::kHeadDim, kWG = Traits::kWGPerStream;
+  constexpr std::uint32_t kSlotBytes = 64 * D * 2;
+  for (int wg = 0; wg < kWG; ++wg) {
+    std::vector<int> written(64 * D, 0);
+    for (int tid = 0; tid < 128; ++tid) {
+      const int warp = tid / 32, lane = tid % 32;
+      const std::uint32_t address0 = wg * kSlotBytes + stsm_o_lane_offset(tid);
+      for (int s = 0; s < D / 16; ++s) {
+        // stmatrix .x4: lane l gives row l % 8 of matrix l / 8, whose 8 columns (16 bytes)
+        // are contiguous; matrix m is value pair 4 s + m (row half m % 2, octet 2 s + m / 2).
+        const int m = lane / 8;
+        const int row = 16 * warp + 8 * (m % 2) + lane % 8;
+        const int col = 16 * s + 8 * (m / 2);
+        const std::uint32_t address = stsm_o_address(address0, s);
+        for (int c = 0; c < 8; ++c) {
+          ASSERT_EQ(address + 2 * c, slot_offset<Traits>(row, col + c, wg))
+              << "D " << D << " wg " << wg << " tid " << tid << " store " << s << " column "
+              << col + c;
+          ++written[row * D + col + c];
+        }
+      }
+    }
+    for (int i = 0; i < 64 * D; ++i) ASSERT_EQ(written[i], 1) << "D " << D << " element " << i;
+  }
+}
+
+using vidattn::cuda_sm90::FwdTraits;
+
+TEST(Sm90OutputStsm, Bf16HeadDim128TwoWarpgroups) {
+  check_stores<FwdTraits<cutlass::bfloat16_t, 128, 128, 2, 1, 2, 2>>();
+}
+TEST(Sm90OutputStsm, Bf16HeadDim128ThreeWarpgroups) {
+  check_stores<FwdTraits<cutlass::bfloat16_t, 128, 64, 3, 1, 2, 2>>();
+}
+TEST(Sm90OutputStsm, Fp16HeadDim64ThreeWarpgroups) {
+  check_stores<FwdTraits<cutlass::half_t, 64, 128, 3, 1, 2, 2>>();
+}
+
+}  // namespace
+#endif
