@@ -1,7 +1,8 @@
-// The sm_90a epilogue's stmatrix addresses (src/cuda/sm90/sm90_fwd_output_stsm.h), run on the
+// The sm_90a epilogue's stmatrix stores (src/cuda/sm90/sm90_fwd_output_stsm.h), run on the
 // host against cute: every (thread, store, matrix row) must land where the output slot's
 // layout (FwdTraits::SmemLayoutO, the layout the TMA store reads) puts that row and column,
-// and the stores of a warpgroup must cover its slot exactly once. (The kernels' outputs are
+// the stores of a warpgroup must cover its slot exactly once, and the accumulator values a
+// store takes must be the ones that belong there. (The kernels' outputs are
 // checked on a GPU: tests/python/test_attention_sm90.py.)
 #include <gtest/gtest.h>
 
@@ -61,16 +62,42 @@ void check_stores() {
   }
 }
 
+// The values each store takes from a thread: stmatrix puts register m of lane l at row l / 4,
+// columns 2 (l % 4) and + 1 of matrix m, so value pair 4 s + m of the accumulator (the
+// warpgroup MMA's C fragment, as cute partitions it) must hold exactly that row and column.
+template <class Traits>
+void check_registers() {
+  constexpr int D = Traits::kHeadDim;
+  typename Traits::MmaPVOneWG mma;
+  for (int tid = 0; tid < 128; ++tid) {
+    const int warp = tid / 32, lane = tid % 32;
+    auto coords = mma.get_thread_slice(tid).partition_C(
+        cute::make_identity_tensor(cute::Shape<cute::_64, cute::Int<D>>{}));
+    ASSERT_EQ(int(cute::size(coords)), D / 2);
+    for (int s = 0; s < D / 16; ++s)
+      for (int m = 0; m < 4; ++m)
+        for (int c = 0; c < 2; ++c) {
+          const auto at = coords(2 * (4 * s + m) + c);
+          ASSERT_EQ(int(cute::get<0>(at)), 16 * warp + 8 * (m % 2) + lane / 4)
+              << "D " << D << " tid " << tid << " store " << s << " matrix " << m;
+          ASSERT_EQ(int(cute::get<1>(at)), 16 * s + 8 * (m / 2) + 2 * (lane % 4) + c)
+              << "D " << D << " tid " << tid << " store " << s << " matrix " << m;
+        }
+  }
+}
+
 using vidattn::cuda_sm90::FwdTraits;
 
 TEST(Sm90OutputStsm, Bf16HeadDim128TwoWarpgroups) {
   check_stores<FwdTraits<cutlass::bfloat16_t, 128, 128, 2, 1, 2, 2>>();
+  check_registers<FwdTraits<cutlass::bfloat16_t, 128, 128, 2, 1, 2, 2>>();
 }
 TEST(Sm90OutputStsm, Bf16HeadDim128ThreeWarpgroups) {
   check_stores<FwdTraits<cutlass::bfloat16_t, 128, 64, 3, 1, 2, 2>>();
 }
 TEST(Sm90OutputStsm, Fp16HeadDim64ThreeWarpgroups) {
   check_stores<FwdTraits<cutlass::half_t, 64, 128, 3, 1, 2, 2>>();
+  check_registers<FwdTraits<cutlass::half_t, 64, 128, 3, 1, 2, 2>>();
 }
 
 }  // namespace
