@@ -207,7 +207,7 @@ inline std::int64_t rows_on_busiest_cta(const AttentionParams& a, std::int64_t b
   const std::int64_t from =
       split_tail ? split_tail_from(a, static_cast<int>(tiles), ctas) : tiles;
   const std::int64_t whole = (from + ctas - 1) / ctas * block_m;
-  const std::int64_t pieces = 3 * (tiles - from);
+  const std::int64_t pieces = SplitTail::pieces(static_cast<int>(tiles), static_cast<int>(from));
   return whole + (pieces + ctas - 1) / ctas * 64;
 }
 

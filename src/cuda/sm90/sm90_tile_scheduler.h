@@ -97,8 +97,10 @@ struct TileScheduler {
 struct SplitTail {
   int from = 0;  // the first split tile; the scheduler's total_tiles() when none is
 
+  // Three 64-row pieces for each tile from `from` on.
+  __host__ __device__ static constexpr int pieces(int tiles, int from) { return 3 * (tiles - from); }
   __host__ __device__ int slots(const TileScheduler& s) const {
-    return s.total_tiles() + 2 * (s.total_tiles() - from);
+    return from + pieces(s.total_tiles(), from);
   }
   __host__ __device__ __forceinline__ TileCoord decode(const TileScheduler& s, int slot) const {
     if (slot < from) return s.decode(slot);
