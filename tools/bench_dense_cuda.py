@@ -23,6 +23,14 @@ import vidattn
 
 SHAPES = [(1, 32768, 12, 128, False), (2, 16384, 32, 64, False), (1, 16384, 12, 128, True),
           (1, 39936, 12, 128, False)]
+# The forward sweep across shapes against cuDNN (--sweep; docs/perf-notes.md, "Across shapes"):
+# video self attention, cross attention to text (77-1024 keys) and image (257) tokens, causal,
+# D = 128 and 64, odd lengths. B,S,H,D[,causal] with S a length or Sq:Sk.
+SWEEP = ("1,4096,24,128 2,8192,24,128 4,4096,16,128 1,16384,24,128,causal 1,32761,12,128 "
+         "2,4680,24,128 1,32760:512,12,128 1,32760:226,12,128 1,32760:128,12,128 "
+         "1,32760:77,12,128 2,16384:300,16,128 1,8192:1024,24,128 1,75600:257,40,128 "
+         "1,16384,32,64,causal 2,4096,24,64 1,32768,16,64 1,8191,30,64 1,32760:512,12,64 "
+         "1,32760:257,12,64 1,24576:128,32,64 4,2048,16,64").split()
 # Block-sparse rows (sm_90a standalone launcher): B, S, H, D, tile volume, sparsity. Random
 # ascending key-tile lists of topk = ceil((1 - s) * tiles) per query tile, full tiles.
 SPARSE = [(1, 39936, 12, 128, 64, 0.875), (1, 39936, 12, 128, 64, 0.9),
@@ -161,5 +169,10 @@ if __name__ == "__main__":
                         help="the dense shapes (replace the default); S may be Sq:Sk")
     parser.add_argument("--fwd-vs-cudnn", action="store_true",
                         help="only the forward, ours and cuDNN's, with their ratio")
+    parser.add_argument("--sweep", action="store_true",
+                        help="the forward sweep against cuDNN: SWEEP's shapes, --fwd-vs-cudnn")
     args = parser.parse_args()
-    main(args.out, args.shapes, args.fwd_vs_cudnn)
+    if args.sweep:
+        main(args.out, [parse_shape(s) for s in SWEEP], True)
+    else:
+        main(args.out, args.shapes, args.fwd_vs_cudnn)

@@ -6,7 +6,8 @@
 #
 #   OUT=/tmp/run bash tools/gpu_runner.sh            # everything
 #   STAGES="build pytest" bash tools/gpu_runner.sh   # a subset (build pytest cpp sanitizer bench
-#                                                    # bench_dense bench_sparse profile distributed alltoall)
+#                                                    # bench_dense sweep bench_sparse profile distributed
+#                                                    # alltoall); SWEEP_OUT names sweep's JSON
 #   DIST_ARGS="--cases vsa --sm-margins 0,16" selects the distributed bench's arguments.
 #   PYTEST_ARGS="-k cuda" bash tools/gpu_runner.sh   # extra pytest arguments
 #   CMAKE_ARGS="-DVIDATTN_CUDA_TARGETS=90a" bash tools/gpu_runner.sh   # extra configure arguments
@@ -135,6 +136,9 @@ if [ $BUILD_OK = 1 ]; then
   fi
   if has bench_dense; then
     stage bench_dense 200 $PYTHON tools/bench_dense_cuda.py "$OUT/bench_dense_cuda.json"
+  fi
+  if has sweep; then  # the forward sweep across shapes against cuDNN
+    stage sweep 120 $PYTHON tools/bench_dense_cuda.py "${SWEEP_OUT:-$OUT/dense_cuda_sweep_fwd.json}" --sweep
   fi
   if has bench_sparse; then
     stage bench_sparse 200 $PYTHON tools/bench_block_sparse_cuda.py "$OUT/bench_block_sparse_cuda.json"
