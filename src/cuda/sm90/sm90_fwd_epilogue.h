@@ -149,8 +149,8 @@ __device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits
   for (int r = 0; r < 2; ++r) sum[r] = cuda_sm80::quad_sum(sm.row_sum[r]);
   // Plain rows, the usual case: the warpgroup's 64 rows exist, none is a padded query or past
   // row_limit, and each saw a key (sum > 0). Then no row needs zeros, and the normaliser is
-  // MUFU's reciprocal alone, its log2 too (sum >= 1: the base is at or below the row's max,
-  // so no denormal to care for).
+  // MUFU's reciprocal alone, its log2 too: the base is at or below the row's max, whose key
+  // adds exp2(~0) = ~1, so the sum is ~1 or more and has no denormal or overflow to handle.
   const std::int64_t rows_end = q0 + 64 * (wg + 1);
   const bool rows_exist = !a.query_mask && rows_end <= seq.len_q && rows_end <= row_limit;
   const bool plain = __all_sync(0xffffffffu, sum[0] > 0.f && sum[1] > 0.f) && rows_exist;
