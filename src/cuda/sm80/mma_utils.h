@@ -103,4 +103,17 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// log2(x) and 1 / x on the special-function unit, without the range handling of __log2f and
+// __fdividef: for arguments known to be normal and far from overflow (a softmax row's sum).
+__device__ __forceinline__ float log2_approx(float x) {
+  float y;
+  asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+__device__ __forceinline__ float rcp_approx(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 }  // namespace vidattn::cuda_sm80

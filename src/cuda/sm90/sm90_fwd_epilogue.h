@@ -77,12 +77,18 @@ __device__ __forceinline__ OutputRow end_output_row(const AttentionParams& p, co
   return row;
 }
 
-// The row's LSE (natural log; -inf for an empty row); row_max is in log2 units. MUFU's log2
-// (~2^-22 absolute): logf's ~30 instructions ran once per row in every tile's epilogue.
+// A row's LSE in the project's convention (natural log) from its base and log2 of its sum,
+// both in log2 units.
+__device__ __forceinline__ float natural_lse(float row_max, float log2_sum) {
+  return (row_max + log2_sum) * 0.6931471805599453f;
+}
+
+// The row's LSE (-inf for an empty row); row_max is in log2 units. MUFU's log2 (~2^-22
+// absolute): logf's ~30 instructions ran once per row in every tile's epilogue.
 __device__ __forceinline__ void store_lse(const AttentionParams& p, const Sequence& seq, int h,
                                           const OutputRow& row, float row_max) {
   p.lse[cuda_sm80::q_side_offset(p, p.lse_strides, seq, row.i, h)] =
-      row.empty ? -INFINITY : (row_max + __log2f(row.sum)) * 0.6931471805599453f;
+      row.empty ? -INFINITY : natural_lse(row_max, __log2f(row.sum));
 }
 
 // o: the thread's output accumulator; coords(v): (row, column) of value v in the stream tile
@@ -156,15 +162,12 @@ __device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits
   const bool plain = __all_sync(0xffffffffu, sum[0] > 0.f && sum[1] > 0.f) && rows_exist;
   std::uint32_t out32[kPairs];
   if (plain) {
-    for (int r = 0; r < 2; ++r) asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(inv[r]) : "f"(sum[r]));
+    for (int r = 0; r < 2; ++r) inv[r] = cuda_sm80::rcp_approx(sum[r]);
     if ((lane & 3) == 0) {
       float* lse = a.lse + cuda_sm80::q_side_offset(a, a.lse_strides, seq, q0, h);
-      for (int r = 0; r < 2; ++r) {
-        float log2_sum;
-        asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(log2_sum) : "f"(sum[r]));
+      for (int r = 0; r < 2; ++r)
         lse[get<0>(coords(2 * r)) * a.lse_strides.row] =
-            (sm.row_max[r] + log2_sum) * 0.6931471805599453f;
-      }
+            natural_lse(sm.row_max[r], cuda_sm80::log2_approx(sum[r]));
     }
 #pragma unroll
     for (int j = 0; j < kPairs; ++j)
