@@ -5,15 +5,9 @@
 
 #include "mma_utils.h"
 #include "params.h"
+#include "sequence.h"
 
 namespace vidattn::cuda_sm80 {
-
-// One sequence of the problem: its lengths, and where its row 0 lives.
-struct Sequence {
-  std::int64_t len_q = 0, len_k = 0;
-  std::int64_t first_q = 0, first_k = 0;  // row index into the flat rows of q / k
-  std::int64_t batch = 0;                 // b (batched), 0 (varlen; offsets are in first_*)
-};
 
 __device__ __forceinline__ std::int64_t clamp64(std::int64_t x, std::int64_t lo,
                                                 std::int64_t hi) {

@@ -22,6 +22,7 @@
 #include "sm90_fwd_kernel_params.h"
 #include "sm90_fwd_mask.h"
 #include "sm90_fwd_softmax.h"
+#include "sm90_fwd_tile.h"
 
 namespace vidattn::cuda_sm90 {
 
@@ -37,21 +38,11 @@ struct RingState {
   }
 };
 
-// The sequence, the stream's first query row and whether the stream has rows in this tile.
-struct StreamTile {
-  Sequence seq;
-  std::int64_t q0;
-  int head, batch;
-  bool active;
-  int piece;  // Traits::kSplitTail: the 64-row piece of a split tile (q0 is its first row), or -1
-};
-
-// kPieces = false: the slot is known to be a whole tile (SplitTail::decode not needed).
-template <class Traits, bool kPieces = true>
+template <class Traits>
 __device__ __forceinline__ StreamTile stream_tile(const FwdKernelParams<Traits>& p, int slot,
                                                   int stream) {
   TileCoord c;
-  if constexpr (Traits::kSplitTail && kPieces) c = p.split.decode(p.sched, slot);
+  if constexpr (Traits::kSplitTail) c = p.split.decode(p.sched, slot);
   else c = p.sched.decode(slot);
   StreamTile t;
   t.piece = c.piece;
@@ -84,11 +75,11 @@ __device__ __forceinline__ StreamTile stream_item(const FwdKernelParams<Traits>&
 }
 
 // The tile of `slot`: a stream item (Traits::kStreamItems) or a slot of the static schedule.
-template <class Traits, bool kPieces = true>
+template <class Traits>
 __device__ __forceinline__ StreamTile tile_of_slot(const FwdKernelParams<Traits>& p, int slot,
                                                    int stream) {
   if constexpr (Traits::kStreamItems) return stream_item(p, slot);
-  else return stream_tile<Traits, kPieces>(p, slot, stream);
+  else return stream_tile<Traits>(p, slot, stream);
 }
 
 // x as lane 0 holds it: the compiler then treats it as the same across the warp (shared-
@@ -188,11 +179,11 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
     const int n = visit.num_blocks();
 
     Barrier::wait(&st.q_empty, q_phase ^ 1u);
-    if constexpr (Traits::kStreamItems) {
-      // Published by the arrive below (release) and the consumers' wait (acquire).
-      st.item = slot;
-      st.item_blocks = n;
-    }
+    // The tile as decoded here, published by the arrive below (release) and the consumers'
+    // wait (acquire): they read it instead of decoding the slot themselves.
+    st.tile[q_phase] = t;
+    st.tile_slot[q_phase] = slot;
+    st.tile_blocks[q_phase] = n;
     Barrier::arrive_and_expect_tx(&st.q_full, Traits::kQBytes);
     bool q_loaded = false;
     if constexpr (Traits::kSplitTail) {
@@ -258,12 +249,10 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
       v_ring.advance();
     }
   }
-  if constexpr (Traits::kStreamItems) {
-    // No more tiles: an item of -1 with an empty Q (a plain arrive) ends the consumers' loop.
-    Barrier::wait(&st.q_empty, q_phase ^ 1u);
-    st.item = -1;
-    Barrier::arrive(&st.q_full);
-  }
+  // No more tiles: a slot of -1 with an empty Q (a plain arrive) ends the consumers' loop.
+  Barrier::wait(&st.q_empty, q_phase ^ 1u);
+  st.tile_slot[q_phase] = -1;
+  Barrier::arrive(&st.q_full);
   if constexpr (Traits::kClusterM > 1) {
     // The other CTAs' consumers free this CTA's slots remotely: wait until every slot is
     // free, so the CTA (and its barriers) outlives their last arrivals.
@@ -381,23 +370,28 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       Barrier::arrive(&st.o_ready);
     }
   };
-  // Static schedule: the slots of this CTA. Stream items: the item that comes with each Q
-  // (-1: no more), waited for here.
-  for (int slot = blockIdx.x;; slot += gridDim.x) {
-    if constexpr (Traits::kStreamItems) {
-      Barrier::wait(&st.q_full, q_phase);
-      q_phase ^= 1u;
-      slot = st.item;
-      if (slot < 0) break;
-    } else if (slot >= p.sched.slots_end) {
-      break;
-    }
-    StreamTile t = tile_of_slot(p, slot, stream);
-    if (!t.active) continue;
+  // Each tile as the producer decoded it, published with its Q (slot -1: no more). The record
+  // stays readable until this tile's epilogue: the producer writes the other one next.
+  // The values of a record that steer the loops are made warp-uniform: a shared-memory read
+  // is not uniform to the compiler, which then guards the key loops' warp-collective
+  // instructions against divergence (+2-19% at D = 64). Not in Dense128Short (D = 128 on three
+  // warpgroups of 160 registers), whose key loops then spill and run 2-7% slower (perf-notes,
+  // Hopper v36).
+  constexpr bool kUniformControl = !(Traits::kHeadDim == 128 && Traits::kWGPerStream == 3);
+  auto control = [](int x) {
+    if constexpr (kUniformControl) return warp_uniform(x);
+    else return x;
+  };
+  for (;;) {
+    Barrier::wait(&st.q_full, q_phase);
+    const uint32_t record = q_phase;
+    q_phase ^= 1u;
+    const int slot = control(st.tile_slot[record]);
+    if (slot < 0) break;
+    StreamTile t = st.tile[record];
+    if constexpr (Traits::kSplitTail) t.piece = control(t.piece);
     Visit visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
-    int n;
-    if constexpr (Traits::kStreamItems) n = st.item_blocks;
-    else n = visit.num_blocks();
+    const int n = control(st.tile_blocks[record]);
     // Block-sparse: the end of the stream's query tile's valid slots (a stream's rows lie in
     // one tile); loaded now, read by the epilogue.
     auto query_row_limit = [&]() {
@@ -428,10 +422,6 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
         write_output_octets<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax, row_limit);
     };
 
-    if constexpr (!Traits::kStreamItems) {
-      Barrier::wait(&st.q_full, q_phase);
-      q_phase ^= 1u;
-    }
     // The key block of ring slot `stage`, whose K has landed: the producer's record of it
     // where the policy reads the index (no global load in this loop), else the policy.
     auto landed_block = [&](int i, int stage) {
@@ -550,17 +540,14 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       advance_rings();
     };
     if constexpr (Visit::kMaskedSuffix) {
-      const int unmasked_end = min(visit.first_masked_block(), n);
+      const int unmasked_end = control(min(visit.first_masked_block(), n));
       int i = 1;
       for (; i < unmasked_end; ++i) step(i, cute::Int<0>{});
       // The tile's description (sequence, policy, row limit: ~25 registers of 64-bit values)
-      // is rebuilt from the slot here instead of being kept through the unmasked loop, where
-      // three consumer warpgroups (160 registers each) spill (less so with this: +3-4% at
-      // D = 64). The empty asm hides that the slot is unchanged, so the compiler cannot keep
-      // the old values.
-      int same_slot = slot;
-      asm volatile("" : "+r"(same_slot));
-      t = tile_of_slot<Traits, false>(p, same_slot, stream);  // a whole tile: no piece here
+      // is read again from the producer's record here instead of being kept through the
+      // unmasked loop, where three consumer warpgroups (160 registers each) spill (less so
+      // with this: +3-4% at D = 64). The loop's barriers clobber memory, so this is a reload.
+      t = st.tile[record];
       visit = Visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
       row_limit = query_row_limit();
       for (; i < n; ++i) step(i, cute::Int<1>{});

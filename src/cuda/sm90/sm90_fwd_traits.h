@@ -18,6 +18,8 @@
 #include <cute/arch/mma_sm90.hpp>
 #include <cutlass/numeric_types.h>
 
+#include "sm90_fwd_tile.h"
+
 namespace vidattn::cuda_sm90 {
 
 // kStagesK / kStagesV: ring slots of K and V blocks. kHalfLoads: each kBlockN-key block is
@@ -198,9 +200,12 @@ struct FwdTraits {
     uint64_t v_full[kStagesV], v_empty[kStagesV];
     // Keys of the block in each K slot, per load (policies that record it).
     int block_valid[kStagesK][2];
-    // kStreamItems: the stream's next query tile and its key-block count, written by the
-    // producer before it arrives on q_full (item -1: no more tiles).
-    int item, item_blocks;
+    // The stream's query tiles as the producer decoded them (slot: its schedule slot or
+    // stream item, -1 when there are no more; blocks: its key-block count), written before it
+    // arrives on q_full. Two, by Q's phase: the consumers read a tile's record until its
+    // epilogue, after the producer may have published the next tile.
+    StreamTile tile[2];
+    int tile_slot[2], tile_blocks[2];
     // kFusedCombine: the tile whose output the consumers have written (-1: no more), handed
     // to the stream's combining warp (o_ready: the consumers' stores done; o_free: the item
     // read, so the next may be written).
