@@ -42,6 +42,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int s = 0; s < Traits::kStreams; ++s) {
       auto& st = shared.stream[s];
       Barrier::init(&st.q_full, 1);
+      if constexpr (Traits::kEarlyTileSetup) Barrier::init(&st.tile_full, 1);
       Barrier::init(&st.q_empty, kConsumersPerStream);
       for (int i = 0; i < Traits::kStagesK; ++i) {
         Barrier::init(&st.k_full[i], 1);

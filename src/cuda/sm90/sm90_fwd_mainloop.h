@@ -179,11 +179,13 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
     const int n = visit.num_blocks();
 
     Barrier::wait(&st.q_empty, q_phase ^ 1u);
-    // The tile as decoded here, published by the arrive below (release) and the consumers'
-    // wait (acquire): they read it instead of decoding the slot themselves.
+    // The tile as decoded here, published by the arrive below (release; kEarlyTileSetup: on
+    // tile_full, before Q lands) and the consumers' wait (acquire): they read it instead of
+    // decoding the slot themselves.
     st.tile[q_phase] = t;
     st.tile_slot[q_phase] = slot;
     st.tile_blocks[q_phase] = n;
+    if constexpr (Traits::kEarlyTileSetup) Barrier::arrive(&st.tile_full);
     Barrier::arrive_and_expect_tx(&st.q_full, Traits::kQBytes);
     bool q_loaded = false;
     if constexpr (Traits::kSplitTail) {
@@ -249,10 +251,11 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
       v_ring.advance();
     }
   }
-  // No more tiles: a slot of -1 with an empty Q (a plain arrive) ends the consumers' loop.
+  // No more tiles: a record of slot -1 (with an empty Q, a plain arrive) ends the consumers'
+  // loop.
   Barrier::wait(&st.q_empty, q_phase ^ 1u);
   st.tile_slot[q_phase] = -1;
-  Barrier::arrive(&st.q_full);
+  Barrier::arrive(Traits::kEarlyTileSetup ? &st.tile_full : &st.q_full);
   if constexpr (Traits::kClusterM > 1) {
     // The other CTAs' consumers free this CTA's slots remotely: wait until every slot is
     // free, so the CTA (and its barriers) outlives their last arrivals.
@@ -370,22 +373,18 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       Barrier::arrive(&st.o_ready);
     }
   };
-  // Each tile as the producer decoded it, published with its Q (slot -1: no more). The record
-  // stays readable until this tile's epilogue: the producer writes the other one next.
-  // The values of a record that steer the loops are made warp-uniform: a shared-memory read
-  // is not uniform to the compiler, which then guards the key loops' warp-collective
-  // instructions against divergence (+2-19% at D = 64). Not in Dense128Short (D = 128 on three
-  // warpgroups of 160 registers), whose key loops then spill and run 2-7% slower (perf-notes,
-  // Hopper v36).
-  constexpr bool kUniformControl = !(Traits::kHeadDim == 128 && Traits::kWGPerStream == 3);
+  // Each tile as the producer decoded it, published with its Q or, kEarlyTileSetup, before it;
+  // slot -1: no more. The record stays readable until this tile's epilogue: the producer
+  // writes the other one next. Its loop-steering values warp-uniform where that pays
+  // (Traits::kUniformControl).
   auto control = [](int x) {
-    if constexpr (kUniformControl) return warp_uniform(x);
+    if constexpr (Traits::kUniformControl) return warp_uniform(x);
     else return x;
   };
   for (;;) {
-    Barrier::wait(&st.q_full, q_phase);
+    Barrier::wait(Traits::kEarlyTileSetup ? &st.tile_full : &st.q_full, q_phase);
     const uint32_t record = q_phase;
-    q_phase ^= 1u;
+    if constexpr (!Traits::kEarlyTileSetup) q_phase ^= 1u;
     const int slot = control(st.tile_slot[record]);
     if (slot < 0) break;
     StreamTile t = st.tile[record];
@@ -437,6 +436,10 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
         return b;
       }
     };
+    if constexpr (Traits::kEarlyTileSetup) {
+      Barrier::wait(&st.q_full, q_phase);  // the tile's Q has landed
+      q_phase ^= 1u;
+    }
     if constexpr (Traits::kSplitTail) {
       if (t.piece >= 0) {
         // A split piece: every warpgroup holds the same 64 query rows and takes every third

@@ -66,6 +66,20 @@ struct FwdTraits {
   // filled round into three 64-row pieces, each run by all three warpgroups over every third
   // key block and combined in shared memory (SplitTail, sm90_tile_scheduler.h; the consumer
   // loop; combine_split_piece): that round then takes about half a tile's time (v32).
+  // Dense128Short: D = 128 on three warpgroups of 160 registers over 64-key blocks, for at
+  // most 512 keys (sm90_fwd_launch_impl.h). Two mainloop choices differ for it (perf-notes,
+  // Hopper v36 and v37):
+  // * kUniformControl: the tile record's loop-steering values made warp-uniform (a shared-
+  //   memory read is not uniform to the compiler, which then guards the key loops' warp-
+  //   collective instructions against divergence): +2-20% at D = 64; Dense128Short's key
+  //   loops spill with it and run 2-7% slower.
+  // * kEarlyTileSetup: the consumers wait for the tile's record alone (tile_full), set the
+  //   tile up, then wait for its Q, so that the set-up overlaps Q's load: +2.5% for
+  //   Dense128Short at 77-128 keys; elsewhere -2.6% (D = 64 three-warpgroup kernel, 128
+  //   keys) and -2% (the D = 128 CTA pairs).
+  static constexpr bool kDense128Short = kHeadDim == 128 && kWGPerStream == 3;
+  static constexpr bool kUniformControl = !kDense128Short;
+  static constexpr bool kEarlyTileSetup = kDense128Short;
   static constexpr bool kSplitTail =
       kWGPerStream == 3 && kStreams == 1 && !kStreamItems && kClusterM == 1 && kTmaStoreO;
   static constexpr int kLoadRows = kHalfLoads ? kBlockN / 2 : kBlockN;  // rows per TMA load
@@ -202,8 +216,8 @@ struct FwdTraits {
     int block_valid[kStagesK][2];
     // The stream's query tiles as the producer decoded them (slot: its schedule slot or
     // stream item, -1 when there are no more; blocks: its key-block count), written before it
-    // arrives on q_full. Two, by Q's phase: the consumers read a tile's record until its
-    // epilogue, after the producer may have published the next tile.
+    // arrives on q_full (kEarlyTileSetup: on tile_full). Two, by Q's phase: the consumers read
+    // a tile's record until its epilogue, after the producer may have published the next tile.
     StreamTile tile[2];
     int tile_slot[2], tile_blocks[2];
     // kFusedCombine: the tile whose output the consumers have written (-1: no more), handed
@@ -211,6 +225,9 @@ struct FwdTraits {
     // read, so the next may be written).
     uint64_t o_ready, o_free;
     int done_item;
+    // kEarlyTileSetup: the tile record is written (the producer's plain arrive; phases as
+    // q_full's). Here, in what was padding, so that the other kernels keep their layout.
+    uint64_t tile_full;
     // kTmaStoreO: the output rows on their way to the TMA store (last, so that the kernels
     // without it keep their layout).
     struct NoO {};
