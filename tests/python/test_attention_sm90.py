@@ -400,21 +400,22 @@ def test_sm90_cta_pairs_match_reference(shape):
 
 # A fresh process (the kernel switches are read once per process) that runs
 # vidattn.attention on seeded inputs of each (B, Sq, Sk, Hq, Hkv, D, dtype name, causal) in
-# argv[2] and saves every output and LSE to argv[1].
+# argv[2] and saves every output and LSE, and the inputs, to argv[1].
 ATTENTION_IN_A_PROCESS = (
     "import ast, sys, torch, vidattn\n"
-    "outs = []\n"
+    "outs, inputs = [], []\n"
     "for i, (b, sq, sk, hq, hkv, d, dt, causal) in enumerate(ast.literal_eval(sys.argv[2])):\n"
     "    g = torch.Generator(device='cuda').manual_seed(i)\n"
     "    q, k, v = (torch.randn(b, s, h, d, generator=g, device='cuda', dtype=getattr(torch, dt))\n"
     "               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))\n"
     "    outs += list(vidattn.attention(q, k, v, causal=causal, return_lse=True))\n"
-    "torch.save([o.cpu() for o in outs], sys.argv[1])\n")
+    "    inputs.append(tuple(x.cpu() for x in (q, k, v)))\n"
+    "torch.save({'outs': [o.cpu() for o in outs], 'inputs': inputs}, sys.argv[1])\n")
 
 
-def attention_in_a_process(tmp_path, shapes, **switches):
+def attention_in_a_process(tmp_path, shapes, return_inputs=False, **switches):
     """Outputs and LSEs of ATTENTION_IN_A_PROCESS with the environment variables `switches`
-    set (None: unset)."""
+    set (None: unset); return_inputs: also each problem's (q, k, v) as that process made them."""
     env = dict(os.environ)
     for name, value in switches.items():
         env.pop(name, None)
@@ -424,7 +425,8 @@ def attention_in_a_process(tmp_path, shapes, **switches):
     res = subprocess.run([sys.executable, "-c", ATTENTION_IN_A_PROCESS, str(path), repr(shapes)],
                          env=env, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr
-    return torch.load(path)
+    saved = torch.load(path)
+    return (saved["outs"], saved["inputs"]) if return_inputs else saved["outs"]
 
 
 def test_sm90_cta_pairs_give_the_bits_of_single_ctas(tmp_path):
@@ -454,14 +456,16 @@ WHOLE_TILE_SHAPES = [(1, 203, 129, 3, 1, 64, "float16", False),
 
 def test_sm90_whole_tiles_match_reference(tmp_path):
     """The same problems with and without the split: both follow the rule against the float64
-    reference (the inputs are ATTENTION_IN_A_PROCESS's, regenerated here from its seeds)."""
-    whole = attention_in_a_process(tmp_path, WHOLE_TILE_SHAPES, VIDATTN_SM90_SPLIT_TAIL="0")
-    split = attention_in_a_process(tmp_path, WHOLE_TILE_SHAPES, VIDATTN_SM90_SPLIT_TAIL=None)
+    reference, on the inputs the processes made (the same in both: seeded)."""
+    whole, inputs = attention_in_a_process(tmp_path, WHOLE_TILE_SHAPES, return_inputs=True,
+                                           VIDATTN_SM90_SPLIT_TAIL="0")
+    split, split_inputs = attention_in_a_process(tmp_path, WHOLE_TILE_SHAPES, return_inputs=True,
+                                                 VIDATTN_SM90_SPLIT_TAIL=None)
     for i, (b, sq, sk, hq, hkv, d, dt, causal) in enumerate(WHOLE_TILE_SHAPES):
         dtype = getattr(torch, dt)
-        g = torch.Generator(device=DEV).manual_seed(i)
-        q, k, v = (torch.randn(b, s, h, d, generator=g, device=DEV, dtype=dtype)
-                   for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+        assert all(torch.equal(x, y) for x, y in zip(inputs[i], split_inputs[i]))
+        q, k, v = (x.to(DEV) for x in inputs[i])
+        assert q.dtype == dtype and q.shape == (b, sq, hq, d) and k.shape == (b, sk, hkv, d)
         scale = 1.0 / d ** 0.5
         ref, ref_lse = reference(q.double(), k.double(), v.double(), scale, causal)
         low, low_lse = reference(q, k, v, scale, causal)
