@@ -15,8 +15,9 @@ import subprocess
 import sys
 
 
-def functions(path, arch):
-    """{demangled name: digest of its SASS}."""
+def sass_listings(path, arch):
+    """[(mangled name, demangled name, its non-empty SASS lines)] for each function of the
+    library or cubin (cuobjdump -sass, c++filt)."""
     out = subprocess.run(["cuobjdump", "-sass", "-arch", arch, path], capture_output=True,
                          text=True, check=True).stdout
     bodies, name = {}, None
@@ -26,12 +27,21 @@ def functions(path, arch):
             name = m.group(1)
             bodies[name] = []
         elif name is not None and line.strip():
-            bodies[name].append(re.sub(r"\s+", " ", line.replace(name, "NAME")).strip())
+            bodies[name].append(line)
     mangled = list(bodies)
     demangled = subprocess.run(["c++filt"], input="\n".join(mangled), capture_output=True,
                                text=True, check=True).stdout.splitlines()
-    return {d: hashlib.sha1("\n".join(bodies[m]).encode()).hexdigest()
-            for m, d in zip(mangled, demangled)}
+    return [(m, d, bodies[m]) for m, d in zip(mangled, demangled)]
+
+
+def functions(path, arch):
+    """{demangled name: digest of its SASS}."""
+    digests = {}
+    for mangled, demangled, lines in sass_listings(path, arch):
+        text = "\n".join(re.sub(r"\s+", " ", line.replace(mangled, "NAME")).strip()
+                         for line in lines)
+        digests[demangled] = hashlib.sha1(text.encode()).hexdigest()
+    return digests
 
 
 def main() -> int:

@@ -12,8 +12,9 @@ memory, say; perf-notes, Hopper v36). Needs cuobjdump and c++filt on PATH (the C
 or the nvidia-cuda-cuobjdump wheel)."""
 import argparse
 import re
-import subprocess
 import sys
+
+from sass_compare import sass_listings
 
 INSTR = re.compile(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
 BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
@@ -22,22 +23,12 @@ LOCAL = re.compile(r"\b(LDL|STL)\b")
 
 def kernels(path, arch):
     """{demangled name: [(address, instruction text)]} for the sm90 attention kernels."""
-    out = subprocess.run(["cuobjdump", "-sass", "-arch", arch, path], capture_output=True,
-                         text=True, check=True).stdout
-    bodies, name = {}, None
-    for line in out.splitlines():
-        m = re.match(r"\s*Function : (\S+)", line)
-        if m:
-            name = m.group(1)
-            bodies[name] = []
-        elif name is not None:
-            m = INSTR.match(line)
-            if m:
-                bodies[name].append((int(m.group(1), 16), m.group(2)))
-    mangled = list(bodies)
-    demangled = subprocess.run(["c++filt"], input="\n".join(mangled), capture_output=True,
-                               text=True, check=True).stdout.splitlines()
-    return {d: bodies[m] for m, d in zip(mangled, demangled) if "sm90_attention_fwd" in d}
+    found = {}
+    for _, name, lines in sass_listings(path, arch):
+        if "sm90_attention_fwd" in name:
+            found[name] = [(int(m.group(1), 16), m.group(2))
+                           for m in map(INSTR.match, lines) if m]
+    return found
 
 
 def key_loops(instrs):
