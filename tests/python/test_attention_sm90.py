@@ -400,16 +400,18 @@ def test_sm90_cta_pairs_match_reference(shape):
 
 # A fresh process (the kernel switches are read once per process) that runs
 # vidattn.attention on seeded inputs of each (B, Sq, Sk, Hq, Hkv, D, dtype name, causal) in
-# argv[2] and saves every output and LSE, and the inputs, to argv[1].
+# argv[2] and saves every output and LSE to argv[1], and the inputs too when argv[3] is
+# "inputs".
 ATTENTION_IN_A_PROCESS = (
     "import ast, sys, torch, vidattn\n"
-    "outs, inputs = [], []\n"
+    "outs, inputs, keep_inputs = [], [], sys.argv[3] == 'inputs'\n"
     "for i, (b, sq, sk, hq, hkv, d, dt, causal) in enumerate(ast.literal_eval(sys.argv[2])):\n"
     "    g = torch.Generator(device='cuda').manual_seed(i)\n"
     "    q, k, v = (torch.randn(b, s, h, d, generator=g, device='cuda', dtype=getattr(torch, dt))\n"
     "               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))\n"
     "    outs += list(vidattn.attention(q, k, v, causal=causal, return_lse=True))\n"
-    "    inputs.append(tuple(x.cpu() for x in (q, k, v)))\n"
+    "    if keep_inputs:\n"
+    "        inputs.append(tuple(x.cpu() for x in (q, k, v)))\n"
     "torch.save({'outs': [o.cpu() for o in outs], 'inputs': inputs}, sys.argv[1])\n")
 
 
@@ -422,7 +424,8 @@ def attention_in_a_process(tmp_path, shapes, return_inputs=False, **switches):
         if value is not None:
             env[name] = value
     path = tmp_path / ("run_" + "_".join(f"{k}={v}" for k, v in switches.items()) + ".pt")
-    res = subprocess.run([sys.executable, "-c", ATTENTION_IN_A_PROCESS, str(path), repr(shapes)],
+    res = subprocess.run([sys.executable, "-c", ATTENTION_IN_A_PROCESS, str(path), repr(shapes),
+                          "inputs" if return_inputs else "outputs"],
                          env=env, capture_output=True, text=True, timeout=180)
     assert res.returncode == 0, res.stderr
     saved = torch.load(path)
