@@ -320,3 +320,25 @@ def test_rows_record_the_clocks_sampled_while_they_were_timed(tmp_path):
     assert not any("clocks" in r for r in plain)
     assert "SM MHz" not in report.format_table(plain)
     assert clocks.ClockSampler.for_device(torch.device("cpu")) is None
+
+
+def test_cuda_timer_warms_up_past_the_clock_swing():
+    """GPU rows get GPU_WARMUP_MS of untimed runs and GPU_REP_MS of timed ones from do_bench,
+    not its 25 ms default, which timed short rows while the power-capped clock swung."""
+    from vidattn.bench import timing
+
+    seen = {}
+
+    def fake_do_bench(fn, **kwargs):
+        seen.update(kwargs)
+        fn()
+        return 1.5
+
+    timer = timing.CudaTimer()
+    timer._do_bench = fake_do_bench
+    calls = []
+    got = timer.measure(lambda: calls.append(1))
+    assert got.median_ms == 1.5 and calls == [1]
+    assert seen == {"warmup": timing.GPU_WARMUP_MS, "rep": timing.GPU_REP_MS,
+                    "return_mode": "median"}
+    assert timing.GPU_WARMUP_MS >= 250

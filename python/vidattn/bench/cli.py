@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "head 0) on the first video shape, to this PNG")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed runs per row (default: CPU adapts to ~0.5 s a row group, 3-50 "
-                        "runs (7+ for cpu-4k); CUDA uses do_bench's own count, or CUDA "
-                        "events with this many)")
+                        "runs (7+ for cpu-4k); CUDA uses do_bench after 0.5 s of warm-up, "
+                        "0.2 s of runs; or CUDA events with this many)")
     p.add_argument("--warmup", type=int, default=None,
                    help="untimed runs before timing, besides the first (accuracy) run, which "
                         "warms up too (default 0 on CPU, 3 before CUDA events)")

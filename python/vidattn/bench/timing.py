@@ -2,7 +2,8 @@
 first call, which feeds the accuracy check, plus ``warmup`` more), the median of N rounds,
 the implementations of one row group interleaved round by round so that load from other
 processes falls on all of them alike. CUDA: ``triton.testing.do_bench`` (median) when
-triton imports, else CUDA events, each after warm-up.
+triton imports, after GPU_WARMUP_MS of untimed runs (the clock at the power cap settles), else
+CUDA events, each after warm-up.
 """
 from __future__ import annotations
 
@@ -16,6 +17,13 @@ import torch
 # CPU rounds when --repeats is not given: until ~TARGET seconds a row group, within bounds.
 CPU_TARGET_S = 0.5
 CPU_MAX_REPEATS = 50
+# do_bench's warm-up and timed span per GPU row (its defaults: 25 and 100 ms). At the power
+# cap (the H200's 700 W) the clock swings for a while after a pause (each row group pauses
+# for its float64 reference): with 25 ms of warm-up, a 10 ms row was timed inside the swing
+# (four clock samples from 1560 to 1980 MHz at a median 706 W), and the implementation that
+# runs first in its group met it most (docs/perf-notes.md, "The bench's warm-up").
+GPU_WARMUP_MS = 500
+GPU_REP_MS = 200
 
 
 @dataclass(frozen=True)
@@ -72,8 +80,10 @@ class CudaTimer:
 
     def measure(self, fn: Callable[[], object]) -> Timing:
         if self._do_bench is not None and self.repeats is None:
-            # do_bench picks its own run count (warm-up 25 ms, 100 ms of runs, L2 flushed).
-            return Timing(float(self._do_bench(fn, return_mode="median")), None, None)
+            # do_bench picks its own run count from GPU_WARMUP_MS and GPU_REP_MS (L2 flushed
+            # before each run).
+            return Timing(float(self._do_bench(fn, warmup=GPU_WARMUP_MS, rep=GPU_REP_MS,
+                                               return_mode="median")), None, None)
         for _ in range(self.warmup):
             fn()
         torch.cuda.synchronize()
