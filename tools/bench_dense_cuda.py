@@ -1,6 +1,7 @@
 """Dense attention forward / backward TFLOP/s of vidattn against PyTorch SDPA (cuDNN and
 flash backends) at a few shapes, then the sm_90a block-sparse rows; median of
-triton.testing.do_bench, one JSON line per row on stdout, all rows in the JSON file.
+triton.testing.do_bench after the bench's warm-up (vidattn.bench.timing.gpu_median_ms), one
+JSON line per row on stdout, all rows in the JSON file.
 
   python3 tools/bench_dense_cuda.py [out.json] [--shapes B,S,H,D[,causal] ...] [--fwd-vs-cudnn]
 
@@ -15,11 +16,11 @@ import json
 import os
 
 import torch
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import vidattn
+from vidattn.bench.timing import gpu_median_ms
 
 SHAPES = [(1, 32768, 12, 128, False), (2, 16384, 32, 64, False), (1, 16384, 12, 128, True),
           (1, 39936, 12, 128, False)]
@@ -44,12 +45,10 @@ def tflops(flops, ms):
 def forward_vs_cudnn(row, q, k, v, causal, flops):
     """The forward of ours and of cuDNN, one after the other: TFLOP/s and cuDNN's time over
     ours."""
-    ours = triton.testing.do_bench(lambda: vidattn.attention(q, k, v, causal=causal),
-                                   return_mode="median")
+    ours = gpu_median_ms(lambda: vidattn.attention(q, k, v, causal=causal))
     qt, kt, vt = (t.detach().transpose(1, 2) for t in (q, k, v))
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-        cudnn = triton.testing.do_bench(lambda: sdpa(qt, kt, vt, is_causal=causal),
-                                        return_mode="median")
+        cudnn = gpu_median_ms(lambda: sdpa(qt, kt, vt, is_causal=causal))
     return {**row, "vidattn_fwd": tflops(flops, ours), "cudnn_fwd": tflops(flops, cudnn),
             "ratio": cudnn / ours}
 
@@ -101,21 +100,21 @@ def main(path, shapes, fwd_vs_cudnn):
 
         def ours_bwd():
             return torch.autograd.grad(out, (qg, kg, vg), go, retain_graph=True)
-        row["vidattn_fwd"] = tflops(fwd_flops, triton.testing.do_bench(ours_fwd, return_mode="median"))
+        row["vidattn_fwd"] = tflops(fwd_flops, gpu_median_ms(ours_fwd))
         if OURS_ONLY:
             rows.append(row)
             print(json.dumps(row), flush=True)
             continue
-        row["vidattn_bwd"] = tflops(2.5 * fwd_flops, triton.testing.do_bench(ours_bwd, return_mode="median"))
+        row["vidattn_bwd"] = tflops(2.5 * fwd_flops, gpu_median_ms(ours_bwd))
         qt, kt, vt, got = (t.detach().transpose(1, 2) for t in (q, k, v, go))
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
             try:
                 with sdpa_kernel(backend):
                     qs, ks, vs = (t.clone().requires_grad_() for t in (qt, kt, vt))
                     o = sdpa(qs, ks, vs, is_causal=causal)
-                    f = triton.testing.do_bench(lambda: sdpa(qt, kt, vt, is_causal=causal), return_mode="median")
-                    b = triton.testing.do_bench(
-                        lambda: torch.autograd.grad(o, (qs, ks, vs), got, retain_graph=True), return_mode="median")
+                    f = gpu_median_ms(lambda: sdpa(qt, kt, vt, is_causal=causal))
+                    b = gpu_median_ms(
+                        lambda: torch.autograd.grad(o, (qs, ks, vs), got, retain_graph=True))
                 row[f"{name}_fwd"] = tflops(fwd_flops, f)
                 row[f"{name}_bwd"] = tflops(2.5 * fwd_flops, b)
             except Exception as e:  # a backend that does not take this shape
@@ -138,8 +137,8 @@ def main(path, shapes, fwd_vs_cudnn):
             flops = 4 * B * H * S * topk * tile * D
             row = {"shape": [B, S, H, D], "tile": tile, "sparsity": sparsity, "topk": topk}
             try:
-                row["sparse_fwd"] = tflops(flops, triton.testing.do_bench(
-                    lambda: op(q, k, v, index, count, sizes, tile), return_mode="median"))
+                row["sparse_fwd"] = tflops(flops, gpu_median_ms(
+                    lambda: op(q, k, v, index, count, sizes, tile)))
             except Exception as e:
                 row["sparse_error"] = str(e)[:200]
             sparse_rows.append(row)

@@ -26,6 +26,17 @@ GPU_WARMUP_MS = 500
 GPU_REP_MS = 200
 
 
+def gpu_median_ms(fn: Callable[[], object], do_bench=None) -> float:
+    """The median time of ``fn`` from ``triton.testing.do_bench`` after GPU_WARMUP_MS of
+    untimed runs, over GPU_REP_MS of runs (do_bench picks the counts; L2 flushed before each
+    run). The bench's rows and tools/bench_dense_cuda.py time through it."""
+    if do_bench is None:
+        import triton.testing
+
+        do_bench = triton.testing.do_bench
+    return float(do_bench(fn, warmup=GPU_WARMUP_MS, rep=GPU_REP_MS, return_mode="median"))
+
+
 @dataclass(frozen=True)
 class Timing:
     median_ms: float
@@ -80,10 +91,7 @@ class CudaTimer:
 
     def measure(self, fn: Callable[[], object]) -> Timing:
         if self._do_bench is not None and self.repeats is None:
-            # do_bench picks its own run count from GPU_WARMUP_MS and GPU_REP_MS (L2 flushed
-            # before each run).
-            return Timing(float(self._do_bench(fn, warmup=GPU_WARMUP_MS, rep=GPU_REP_MS,
-                                               return_mode="median")), None, None)
+            return Timing(gpu_median_ms(fn, self._do_bench), None, None)
         for _ in range(self.warmup):
             fn()
         torch.cuda.synchronize()
