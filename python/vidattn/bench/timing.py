@@ -20,8 +20,8 @@ CPU_MAX_REPEATS = 50
 # do_bench's warm-up and timed span per GPU row (its defaults: 25 and 100 ms). At the power
 # cap (the H200's 700 W) the clock swings for a while after a pause (each row group pauses
 # for its float64 reference): with 25 ms of warm-up, a 10 ms row was timed inside the swing
-# (four clock samples from 1560 to 1980 MHz at a median 706 W), and the implementation that
-# runs first in its group met it most (docs/perf-notes.md, "The bench's warm-up").
+# (four clock samples from 1560 to 1980 MHz at a median 706 W; docs/perf-notes.md, "The
+# bench's warm-up"). The same warm-up for every implementation.
 GPU_WARMUP_MS = 500
 GPU_REP_MS = 200
 
