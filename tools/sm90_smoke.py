@@ -1,7 +1,7 @@
 """Small sm_90a forward runs (dense with masks / causal / GQA / varlen, multi-tile persistent
-cases, D = 64's 192-row tile, D = 128 cross attention, block-sparse 64 and 128, the 64-token kernel with VSA's
-combination) for compute-sanitizer: exits non-zero on non-finite output or when the sm90
-kernels did not run."""
+cases, D = 64's 192-row tile, D = 128 cross attention, D = 128's CTA pairs, block-sparse 64 and
+128, the 64-token kernel with VSA's combination) for compute-sanitizer: exits non-zero on
+non-finite output or when the sm90 kernels did not run."""
 import sys
 
 import torch
@@ -51,6 +51,12 @@ def main() -> int:
     q, k = rnd(1, 500, 2, 64), rnd(1, 8200, 2, 64)
     results.append(vidattn.attention(q, k, k))
     results.append(vidattn.attention(q, k, k, causal=True))
+    # D = 128 past the persistent grid's 4096 keys: two query blocks of a head run as a CTA
+    # pair sharing K / V loads by multicast, three as single CTAs; a partial last key block.
+    q, k = rnd(1, 256, 2, 128), rnd(1, 4200, 2, 128)
+    results.append(vidattn.attention(q, k, k))
+    q = rnd(1, 300, 2, 128)
+    results.append(vidattn.attention(q, k, k))
     # Key padding over several key blocks, the mask a view at an odd offset: the key-mask
     # instance's flag loads end inside a lane's four keys.
     q, k = rnd(2, 300, 4, 128), rnd(2, 1283, 2, 128)
