@@ -6,9 +6,9 @@ import json
 import sys
 
 import torch
-import triton.testing
 
 import vidattn
+from vidattn.bench.timing import gpu_median_ms
 
 
 def main() -> None:
@@ -33,13 +33,12 @@ def main() -> None:
 
     fwd_flops = 4.0 * B * H * S * (topk * V) * D
     res = {}
-    res["sparse_fwd_ms"] = triton.testing.do_bench(
-        lambda: ops.block_sparse_attention(q, k, v, idx, cnt, tile_volume=V), return_mode="median")
-    res["sparse_bwd_ms"] = triton.testing.do_bench(backward, return_mode="median")
-    res["transpose_ms"] = triton.testing.do_bench(
-        lambda: ops.block_sparse_transpose_index(idx, cnt, tiles), return_mode="median")
-    res["dense_fwd_ms"] = triton.testing.do_bench(lambda: vidattn.attention(q, k, v),
-                                                  return_mode="median")
+    res["sparse_fwd_ms"] = gpu_median_ms(
+        lambda: ops.block_sparse_attention(q, k, v, idx, cnt, tile_volume=V))
+    res["sparse_bwd_ms"] = gpu_median_ms(backward)
+    res["transpose_ms"] = gpu_median_ms(
+        lambda: ops.block_sparse_transpose_index(idx, cnt, tiles))
+    res["dense_fwd_ms"] = gpu_median_ms(lambda: vidattn.attention(q, k, v))
     # Inside a CUDA graph the host-synchronising index check is skipped: the kernels alone.
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
@@ -49,12 +48,11 @@ def main() -> None:
     torch.cuda.current_stream().wait_stream(side)
     with torch.cuda.graph(graph):
         ops.block_sparse_attention(q, k, v, idx, cnt, tile_volume=V)
-    res["sparse_fwd_graph_ms"] = triton.testing.do_bench(graph.replay, return_mode="median")
+    res["sparse_fwd_graph_ms"] = gpu_median_ms(graph.replay)
     qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
     dense_out = vidattn.attention(qg, kg, vg)
-    res["dense_bwd_ms"] = triton.testing.do_bench(
-        lambda: torch.autograd.grad(dense_out, (qg, kg, vg), dout, retain_graph=True),
-        return_mode="median")
+    res["dense_bwd_ms"] = gpu_median_ms(
+        lambda: torch.autograd.grad(dense_out, (qg, kg, vg), dout, retain_graph=True))
     res["sparse_fwd_tflops"] = fwd_flops / res["sparse_fwd_ms"] * 1e-9
     res["sparse_fwd_graph_tflops"] = fwd_flops / res["sparse_fwd_graph_ms"] * 1e-9
     res["sparse_bwd_tflops"] = 2.5 * fwd_flops / res["sparse_bwd_ms"] * 1e-9
@@ -63,10 +61,9 @@ def main() -> None:
     res["sparse_fwd_speedup_vs_dense"] = res["dense_fwd_ms"] / res["sparse_fwd_ms"]
     # What leaving SMs to concurrent kernels (sm_margin, for sequence parallelism) costs alone.
     for margin in (0, 8, 16, 32):
-        ms = triton.testing.do_bench(
+        ms = gpu_median_ms(
             lambda: ops.block_sparse_attention(q, k, v, idx, cnt, tile_volume=V,
-                                               validate_index=False, sm_margin=margin),
-            return_mode="median")
+                                               validate_index=False, sm_margin=margin))
         res[f"sparse_fwd_tflops_sm_margin_{margin}"] = fwd_flops / ms * 1e-9
     print(json.dumps(res, indent=1))
     if len(sys.argv) > 1:

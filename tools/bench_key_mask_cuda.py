@@ -1,5 +1,6 @@
 """Dense forward with padding masks against the same problem unmasked and against cuDNN (PyTorch
-SDPA, unmasked, on contiguous [B, H, S, D] copies made once), median of triton.testing.do_bench:
+SDPA, unmasked, on contiguous [B, H, S, D] copies made once), median of triton.testing.do_bench
+after the bench's warm-up (vidattn.bench.timing.gpu_median_ms):
   * the Wan 480p and 720p tiled tensors with the tiling's slot mask on keys and queries (what
     the VSA bench's vidattn-dense row runs), and on keys only;
   * 2 x 16384 keys with padded suffixes (15000 and 12001 keys kept).
@@ -10,9 +11,9 @@ key-mask kernel instance). TFLOP/s count every slot, so all rows of a shape comp
 import argparse
 
 import torch
-import triton.testing
 
 import vidattn
+from vidattn.bench.timing import gpu_median_ms
 
 GRIDS = {"480p": ((21, 30, 52), 12), "720p": ((21, 45, 80), 40)}
 
@@ -83,7 +84,7 @@ def main():
 
     print(f"{'':30} {'do_bench':>12} {'':15} {'after sync':>12}")
     for name, flops, run in cases:
-        ms = triton.testing.do_bench(run, return_mode="median")
+        ms = gpu_median_ms(run)
         synced = after_sync(run)
         print(f"{name:30} {ms:9.3f} ms {flops / ms / 1e9:7.1f} TFLOP/s {synced:9.3f} ms",
               flush=True)

@@ -14,8 +14,8 @@ ops = torch.ops.vidattn
 
 
 def bench(fn):
-    """The bench's GPU timer: do_bench's median (warm-up 25 ms, 100 ms of runs), or CUDA
-    events after warm-up when triton is missing."""
+    """The bench's GPU timer: do_bench's median after its warm-up (GPU_WARMUP_MS, then
+    GPU_REP_MS of runs; vidattn.bench.timing), or CUDA events when triton is missing."""
     return CudaTimer().measure(fn).median_ms
 
 

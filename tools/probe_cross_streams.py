@@ -8,11 +8,11 @@ TFLOP/s of each and the largest difference between the two outputs.
 import sys
 
 import torch
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import vidattn
+from vidattn.bench.timing import gpu_median_ms
 
 SHAPES = ["1,32768,12,128,512", "1,32768,12,128,257", "1,75648,40,128,512",
           "1,75648,40,128,257", "1,32768,12,128,2048", "1,32768,12,128,4096"]
@@ -41,11 +41,11 @@ def main(specs):
         dense_out = vidattn.attention(q, k, v)
         diff = (sparse().float() - dense_out.float()).abs().max().item()
         flops = 4 * B * H * Sq * Sk * D
-        t_dense = triton.testing.do_bench(lambda: vidattn.attention(q, k, v), return_mode="median")
-        t_sparse = triton.testing.do_bench(sparse, return_mode="median")
+        t_dense = gpu_median_ms(lambda: vidattn.attention(q, k, v))
+        t_sparse = gpu_median_ms(sparse)
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            t_cudnn = triton.testing.do_bench(lambda: sdpa(qt, kt, vt), return_mode="median")
+            t_cudnn = gpu_median_ms(lambda: sdpa(qt, kt, vt))
         rate = lambda ms: flops / (ms * 1e-3) / 1e12
         print(f"{spec}: dense kernel {rate(t_dense):6.1f}  64-token streams {rate(t_sparse):6.1f}"
               f"  cuDNN {rate(t_cudnn):6.1f} TFLOP/s  (max |diff| {diff:.2e})", flush=True)

@@ -8,13 +8,13 @@
 import sys
 
 import torch
-import triton.testing
 
 import vidattn
+from vidattn.bench.timing import gpu_median_ms
 
 
 def bench(fn):
-    return triton.testing.do_bench(fn, return_mode="median")
+    return gpu_median_ms(fn)
 
 
 def main(specs):
