@@ -6,6 +6,7 @@ persistent schedule), strided packed views. Skipped on other GPUs."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import zlib
@@ -155,6 +156,53 @@ def test_sm90_logits_growing_along_the_keys(causal, Sq, Sk, D):
     k = (randn((B, Sk, H, D), torch.float32, g) * ramp).to(torch.bfloat16)
     v = randn((B, Sk, H, D), torch.bfloat16, g)
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=93, check_grads=False))
+
+
+# Seeded random problems drawn around the host dispatch's limits, so that every route meets
+# odd sizes beside the hand-picked cases above: key lengths at 1, 64, 128, 512 (the
+# three-warpgroup D = 128 kernel's limit), 1024 and 4096 (the persistent grid's) +- 1 or
+# anywhere up to 9000 (one CTA per tile; CTA pairs when the query blocks are even); query
+# lengths at the 64 / 128 / 192-row tile edges or anywhere; GQA; causal, key and query padding
+# (packed as varlen or the key-mask instance). The draw is a function of the index only.
+def _dispatch_problem(i: int):
+    rng = random.Random(zlib.crc32(repr(("dispatch", i)).encode()))
+    D = rng.choice([64, 128])
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    if rng.random() < 0.7:
+        Sk = max(1, rng.choice([1, 64, 128, 512, 1024, 4096]) + rng.choice([-1, 0, 1]))
+    else:
+        Sk = rng.randint(1, 9000)
+    if rng.random() < 0.6:
+        Sq = max(1, rng.choice([64, 128, 192, 256, 384]) + rng.choice([-1, 0, 1]))
+    else:
+        Sq = rng.randint(1, 3000)
+    B, Hkv = rng.randint(1, 2), rng.randint(1, 3)
+    Hq = Hkv * rng.randint(1, 3)
+    # Keep the float64 reference's score matrix under ~3e7 entries.
+    while B * Hq * Sq * Sk > 3e7 and Sq > 1:
+        Sq = max(1, Sq // 2)
+    causal = rng.random() < 0.3
+    key_mask, query_mask = rng.random() < 0.25, rng.random() < 0.15
+    return B, Sq, Sk, Hq, Hkv, D, dtype, causal, key_mask, query_mask
+
+
+DISPATCH_PROBLEMS = [_dispatch_problem(i) for i in range(40)]
+
+
+@pytest.mark.parametrize("problem", DISPATCH_PROBLEMS, ids=lambda c: "B{}_Sq{}_Sk{}_H{}x{}_D{}_{}_{}{}{}".format(
+    *c[:6], str(c[6])[6:], "causal" if c[7] else "full", "_kmask" if c[8] else "",
+    "_qmask" if c[9] else ""))
+def test_sm90_random_problems_around_the_dispatch_limits(problem):
+    B, Sq, Sk, Hq, Hkv, D, dtype, causal, key_mask, query_mask = problem
+    seed = zlib.crc32(repr(problem).encode())
+    g = gen(seed)
+    q = randn((B, Sq, Hq, D), dtype, g, 4.0)
+    k = randn((B, Sk, Hkv, D), dtype, g, 4.0)
+    v = randn((B, Sk, Hkv, D), dtype, g)
+    kmask = torch.rand((B, Sk), generator=g, device=DEV) > 0.3 if key_mask else None
+    qmask = torch.rand((B, Sq), generator=g, device=DEV) > 0.2 if query_mask else None
+    takes_sm90(lambda: run_and_check(q, k, v, causal=causal, kmask=kmask, qmask=qmask,
+                                     seed=seed, check_grads=False))
 
 
 def test_sm90_padding_masks_and_packed_views():
