@@ -47,13 +47,15 @@ def main() -> int:
     results.append(vidattn.attention(q, q, q))
     q, k = rnd(1, 347, 73, 128), rnd(1, 300, 1, 128)
     results.append(vidattn.attention(q, k, k))
-    # D = 64 with > 4096 keys: one CTA per tile (partial query tile, partial key block).
-    q, k = rnd(1, 500, 2, 64), rnd(1, 8200, 2, 64)
-    results.append(vidattn.attention(q, k, k))
-    results.append(vidattn.attention(q, k, k, causal=True))
-    # D = 128 past the persistent grid's 4096 keys: two query blocks of a head run as a CTA
+    # D = 64 with 8200 keys on the persistent grid, and past its 24576 keys on one CTA per
+    # tile (partial query tile, partial key block).
+    for keys in (8200, 24600):
+        q, k = rnd(1, 500, 2, 64), rnd(1, keys, 2, 64)
+        results.append(vidattn.attention(q, k, k))
+        results.append(vidattn.attention(q, k, k, causal=True))
+    # D = 128 past the persistent grid's 24576 keys: two query blocks of a head run as a CTA
     # pair sharing K / V loads by multicast, three as single CTAs; a partial last key block.
-    q, k = rnd(1, 256, 2, 128), rnd(1, 4200, 2, 128)
+    q, k = rnd(1, 256, 2, 128), rnd(1, 24700, 2, 128)
     results.append(vidattn.attention(q, k, k))
     q = rnd(1, 300, 2, 128)
     results.append(vidattn.attention(q, k, k))

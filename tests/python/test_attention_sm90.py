@@ -41,8 +41,8 @@ CASES = [  # B, Sq, Sk, Hq, Hkv, D, dtype, causal
     (1, 700, 2100, 6, 3, 64, torch.float16, False),
     (1, 2100, 700, 6, 6, 64, torch.bfloat16, True),
     (3, 257, 129, 5, 5, 128, torch.float16, True),
-    # D = 64 (the 192-row tile of three consumer warpgroups) past 4096 keys, on one CTA per
-    # tile: partial last query tile and a partial last key block.
+    # D = 64 (the 192-row tile of three consumer warpgroups) past 8192 keys, on the persistent
+    # grid: partial last query tile and a partial last key block.
     (1, 500, 8200, 4, 2, 64, torch.bfloat16, False),
     (2, 450, 8250, 2, 2, 64, torch.float16, True),
 ]
@@ -160,8 +160,9 @@ def test_sm90_logits_growing_along_the_keys(causal, Sq, Sk, D):
 
 # Seeded random problems drawn around the host dispatch's limits, so that every route meets
 # odd sizes beside the hand-picked cases above: key lengths at 1, 64, 128, 512 (the
-# three-warpgroup D = 128 kernel's limit), 1024 and 4096 (the persistent grid's) +- 1 or
-# anywhere up to 9000 (one CTA per tile; CTA pairs when the query blocks are even); query
+# three-warpgroup D = 128 kernel's limit), 1024, 4096 and 24576 (the persistent grid's) +- 1
+# or anywhere up to 30000 (one CTA per tile past 24576 keys; CTA pairs when the query blocks
+# are even); query
 # lengths at the 64 / 128 / 192-row tile edges or anywhere; GQA; causal, key and query padding
 # (packed as varlen or the key-mask instance). The draw is a function of the index only.
 def _dispatch_problem(i: int):
@@ -169,9 +170,9 @@ def _dispatch_problem(i: int):
     D = rng.choice([64, 128])
     dtype = rng.choice([torch.bfloat16, torch.float16])
     if rng.random() < 0.7:
-        Sk = max(1, rng.choice([1, 64, 128, 512, 1024, 4096]) + rng.choice([-1, 0, 1]))
+        Sk = max(1, rng.choice([1, 64, 128, 512, 1024, 4096, 24576]) + rng.choice([-1, 0, 1]))
     else:
-        Sk = rng.randint(1, 9000)
+        Sk = rng.randint(1, 30000)
     if rng.random() < 0.6:
         Sq = max(1, rng.choice([64, 128, 192, 256, 384]) + rng.choice([-1, 0, 1]))
     else:
@@ -189,9 +190,13 @@ def _dispatch_problem(i: int):
 DISPATCH_PROBLEMS = [_dispatch_problem(i) for i in range(40)]
 
 
-@pytest.mark.parametrize("problem", DISPATCH_PROBLEMS, ids=lambda c: "B{}_Sq{}_Sk{}_H{}x{}_D{}_{}_{}{}{}".format(
-    *c[:6], str(c[6])[6:], "causal" if c[7] else "full", "_kmask" if c[8] else "",
-    "_qmask" if c[9] else ""))
+def _dispatch_problem_id(c) -> str:
+    return "B{}_Sq{}_Sk{}_H{}x{}_D{}_{}_{}{}{}".format(
+        *c[:6], str(c[6])[6:], "causal" if c[7] else "full", "_kmask" if c[8] else "",
+        "_qmask" if c[9] else "")
+
+
+@pytest.mark.parametrize("problem", DISPATCH_PROBLEMS, ids=_dispatch_problem_id)
 def test_sm90_random_problems_around_the_dispatch_limits(problem):
     B, Sq, Sk, Hq, Hkv, D, dtype, causal, key_mask, query_mask = problem
     seed = zlib.crc32(repr(problem).encode())
@@ -424,14 +429,17 @@ def test_disable_env_keeps_the_portable_path():
     assert int(res.stdout.strip().splitlines()[-1]) >= 1
 
 
-# Dense D = 128 problems with more than 4096 keys (shorter ones take the persistent grid) and
+# Dense D = 128 problems with more than 24576 keys (shorter ones take the persistent grid) and
 # an even number of 128-row query blocks run in CTA pairs that share each K / V load (TMA
 # multicast); odd counts, causal, varlen, key masks and D = 64 (the last two rows: the
-# 192-row tile) on single CTAs. B, Sq, Sk, Hq, Hkv, D, dtype: partial last query and key
-# blocks, GQA, q != kv length.
-PAIR_SHAPES = [(2, 200, 4433, 4, 2, 128, torch.bfloat16), (1, 1000, 4500, 3, 3, 128, torch.float16),
-               (3, 256, 4100, 2, 1, 128, torch.bfloat16), (1, 4096, 4177, 2, 2, 128, torch.float16),
-               (1, 700, 8300, 4, 2, 64, torch.bfloat16), (2, 384, 8192, 2, 2, 64, torch.float16)]
+# 192-row tile) on single CTAs, one per tile. B, Sq, Sk, Hq, Hkv, D, dtype: partial last query
+# and key blocks, GQA, q != kv length.
+PAIR_SHAPES = [(2, 200, 24833, 4, 2, 128, torch.bfloat16),
+               (1, 1000, 24900, 3, 3, 128, torch.float16),
+               (3, 256, 24580, 2, 1, 128, torch.bfloat16),
+               (1, 2048, 24677, 2, 2, 128, torch.float16),
+               (1, 700, 24700, 4, 2, 64, torch.bfloat16),
+               (2, 384, 24832, 2, 2, 64, torch.float16)]
 
 
 @pytest.mark.parametrize("shape", PAIR_SHAPES, ids=lambda c: "B{}_Sq{}_Sk{}_H{}x{}_D{}_{}".format(
@@ -495,14 +503,14 @@ def test_sm90_cta_pairs_give_the_bits_of_single_ctas(tmp_path):
 # Small non-causal problems of the three-warpgroup kernels now run as split pieces
 # (test_sm90_split_last_round_matches_reference); VIDATTN_SM90_SPLIT_TAIL=0 keeps their tiles
 # whole, so the whole-tile path stays under test at the odd sizes: partial last key blocks
-# (129, 255, 1000 keys at D = 64), partial query tiles, GQA, one CTA per tile (8200 keys);
+# (129, 255, 1000 keys at D = 64), partial query tiles, GQA, one CTA per tile (24600 keys);
 # D = 128 with 300 keys (without the split, dense128_short_fits gives these 10 tiles to the
 # 128-row kernel).
 WHOLE_TILE_SHAPES = [(1, 203, 129, 3, 1, 64, "float16", False),
                      (1, 203, 255, 3, 1, 64, "bfloat16", False),
                      (2, 300, 1000, 4, 2, 64, "bfloat16", False),
                      (1, 347, 300, 5, 1, 128, "float16", False),
-                     (1, 500, 8200, 2, 2, 64, "bfloat16", False)]
+                     (1, 500, 24600, 2, 2, 64, "bfloat16", False)]
 
 
 def test_sm90_whole_tiles_match_reference(tmp_path):
@@ -528,15 +536,18 @@ def test_sm90_whole_tiles_match_reference(tmp_path):
     assert any(not torch.equal(a, b) for a, b in zip(whole, split))
 
 
-# Problems with at most 4096 keys run on the persistent grid (the producer loads the next tile
-# while the consumers finish one): cross attention to 512 / 257 text or image tokens, a short
-# self attention, causal, D = 64, GQA.
+# Problems with at most 24576 keys run on the persistent grid (the producer loads the next tile
+# while the consumers finish one): cross attention to 512 / 257 text or image tokens, self
+# attention of 2048 and 12000 tokens, causal (longest tiles first, snake rounds), D = 64, GQA,
+# and 20000 keys at D = 128 with two query blocks (CTA pairs on one CTA per tile).
 SHORT_KEY_SHAPES = [(1, 3000, 512, 4, 4, 128, False), (2, 1000, 257, 4, 2, 128, False),
-                    (1, 2048, 2048, 2, 2, 64, False), (2, 777, 4096, 2, 1, 128, True)]
+                    (1, 2048, 2048, 2, 2, 64, False), (2, 777, 4096, 2, 1, 128, True),
+                    (1, 640, 9000, 3, 1, 128, True), (1, 500, 12000, 2, 2, 64, False),
+                    (1, 256, 20000, 2, 2, 128, False)]
 
 
 def test_sm90_grid_choice_keeps_the_bits(tmp_path):
-    """The persistent grid (the default up to 4096 keys) and one CTA per tile
+    """The persistent grid (the default up to 24576 keys) and one CTA per tile
     (VIDATTN_SM90_GRID=tiles) run the same tile arithmetic: the same output and LSE bits, and
     both follow the rule. A persistent CTA that skipped or repeated a tile would not give
     them."""
@@ -563,10 +574,10 @@ def test_sm90_short_keys_match_reference(shape):
 
 # The dense single-CTA kernel writes its output through shared memory and a TMA store
 # (VIDATTN_SM90_TMA_STORE_O=0: each thread's own stores): short key loops, fp16, D = 64, query
-# lengths that end inside a warpgroup's 64 rows, causal on one CTA per tile (5000 keys).
+# lengths that end inside a warpgroup's 64 rows, causal on one CTA per tile (25000 keys).
 TMA_STORE_SHAPES = [c[:6] + ("bfloat16", c[6]) for c in SHORT_KEY_SHAPES] + [
     (1, 1000, 512, 2, 2, 128, "float16", False), (1, 999, 300, 3, 3, 64, "bfloat16", False),
-    (1, 5000, 5000, 2, 2, 128, "bfloat16", True)]
+    (1, 1000, 25000, 2, 2, 128, "bfloat16", True)]
 
 
 def test_sm90_output_by_tma_keeps_the_bits(tmp_path):

@@ -130,14 +130,18 @@ inline bool tma_store_o_enabled() {
 //   other kernels (NCCL in sequence parallelism) a persistent CTA that starts late, behind
 //   their blocks, still owns its share of the tiles and the whole kernel waits for it, while
 //   one CTA per tile lets the hardware hand the remaining tiles to whichever SM is free.
-// * Short (at most kPersistentMaxKeys keys, e.g. text or image cross attention): a tile's key
-//   loop is a few blocks, and on one CTA per tile each CTA's start (barriers, Q and the first
-//   K / V in flight) and end (the output store) overlap no other tile's products; on the
-//   persistent grid the producer loads the next tile while the consumers finish this one
-//   (+17% at 32760 x 512 keys, +25% at 257; v23).
-// VIDATTN_SM90_GRID=persistent | tiles forces one of them (read once; for A/B); sm_margin
-// always takes the persistent grid.
-inline constexpr std::int64_t kPersistentMaxKeys = 4096;
+// * Up to kPersistentMaxKeys keys: on one CTA per tile each CTA's start (barriers, Q and the
+//   first K / V in flight) and end (the output store) overlap no other tile's products; on
+//   the persistent grid the producer loads the next tile while the consumers finish this one
+//   (+17% at 32760 x 512 keys, +25% at 257; v23). Since the output went through a TMA store
+//   and the tile set-up moved to the producer (v27-v37) this wins at longer keys too, also
+//   against the CTA pairs: +5-20% at 1024-4096 keys, +1-4.5% at 6144-24576 (D = 128, D = 64,
+//   causal), level at 20480 and 32768 keys and -1.5% at 92160 x H40 where the pairs' halved
+//   L2 traffic counts (docs/perf-notes.md, "The persistent grid up to 24576 keys").
+// VIDATTN_SM90_GRID=persistent | tiles forces one of them (read once; for A/B, or for a
+// caller whose attention runs beside NCCL kernels without leaving SMs free); sm_margin always
+// takes the persistent grid.
+inline constexpr std::int64_t kPersistentMaxKeys = 24576;
 
 enum class GridChoice { kAuto, kPersistent, kTiles };
 
