@@ -162,9 +162,9 @@ def test_sm90_logits_growing_along_the_keys(causal, Sq, Sk, D):
 # odd sizes beside the hand-picked cases above: key lengths at 1, 64, 128, 512 (the
 # three-warpgroup D = 128 kernel's limit), 1024, 4096 and 24576 (the persistent grid's) +- 1
 # or anywhere up to 30000 (one CTA per tile past 24576 keys; CTA pairs when the query blocks
-# are even); query
-# lengths at the 64 / 128 / 192-row tile edges or anywhere; GQA; causal, key and query padding
-# (packed as varlen or the key-mask instance). The draw is a function of the index only.
+# are even); query lengths at the 64 / 128 / 192-row tile edges or anywhere; GQA; causal, key
+# and query padding (packed as varlen or the key-mask instance). The draw is a function of the
+# index only.
 def _dispatch_problem(i: int):
     rng = random.Random(zlib.crc32(repr(("dispatch", i)).encode()))
     D = rng.choice([64, 128])
@@ -539,7 +539,7 @@ def test_sm90_whole_tiles_match_reference(tmp_path):
 # Problems with at most 24576 keys run on the persistent grid (the producer loads the next tile
 # while the consumers finish one): cross attention to 512 / 257 text or image tokens, self
 # attention of 2048 and 12000 tokens, causal (longest tiles first, snake rounds), D = 64, GQA,
-# and 20000 keys at D = 128 with two query blocks (CTA pairs on one CTA per tile).
+# and 20000 keys at D = 128 with two query blocks (CTA pairs when one CTA per tile is forced).
 SHORT_KEY_SHAPES = [(1, 3000, 512, 4, 4, 128, False), (2, 1000, 257, 4, 2, 128, False),
                     (1, 2048, 2048, 2, 2, 64, False), (2, 777, 4096, 2, 1, 128, True),
                     (1, 640, 9000, 3, 1, 128, True), (1, 500, 12000, 2, 2, 64, False),
