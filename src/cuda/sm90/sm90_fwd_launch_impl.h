@@ -126,10 +126,11 @@ inline bool tma_store_o_enabled() {
 // The dense grid (the block-sparse kernels take stream items on a persistent grid instead):
 // one CTA per tile for long key sequences, a persistent grid of (SMs - sm_margin) CTAs for
 // short ones and when the caller leaves SMs free.
-// * Long: alone on the GPU both grids run at the same speed (docs/perf-notes.md, v6); beside
-//   other kernels (NCCL in sequence parallelism) a persistent CTA that starts late, behind
-//   their blocks, still owns its share of the tiles and the whole kernel waits for it, while
-//   one CTA per tile lets the hardware hand the remaining tiles to whichever SM is free.
+// * Past kPersistentMaxKeys keys: alone on the GPU the grids run level (32768 keys) or one CTA
+//   per tile ahead through the CTA pairs (92160 x H40); beside other kernels (NCCL in
+//   sequence parallelism) a persistent CTA that starts late, behind their blocks, still owns
+//   its share of the tiles and the whole kernel waits for it, while one CTA per tile lets the
+//   hardware hand the remaining tiles to whichever SM is free (docs/perf-notes.md, v6).
 // * Up to kPersistentMaxKeys keys: on one CTA per tile each CTA's start (barriers, Q and the
 //   first K / V in flight) and end (the output store) overlap no other tile's products; on
 //   the persistent grid the producer loads the next tile while the consumers finish this one
