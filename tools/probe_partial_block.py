@@ -13,10 +13,6 @@ import vidattn
 from vidattn.bench.timing import gpu_median_ms
 
 
-def bench(fn):
-    return gpu_median_ms(fn)
-
-
 def main(specs):
     for spec in specs:
         Sq, H, Sk = (int(x) for x in spec.split(","))
@@ -29,10 +25,10 @@ def main(specs):
         cu_k = torch.tensor([0, Sk, full], device="cuda", dtype=torch.int32)
         qd, kd, vd = q[None, :Sq], k[None, :Sk].contiguous(), v[None, :Sk].contiguous()
         kf, vf = k[None], v[None]
-        t_dense = bench(lambda: vidattn.attention(qd, kd, vd))
+        t_dense = gpu_median_ms(lambda: vidattn.attention(qd, kd, vd))
         max_k = max(Sk, full - Sk)
-        t_varlen = bench(lambda: vidattn.attention_varlen(q, k, v, cu_q, cu_k, Sq, max_k))
-        t_full = bench(lambda: vidattn.attention(qd, kf, vf))
+        t_varlen = gpu_median_ms(lambda: vidattn.attention_varlen(q, k, v, cu_q, cu_k, Sq, max_k))
+        t_full = gpu_median_ms(lambda: vidattn.attention(qd, kf, vf))
         ref = vidattn.attention(qd, kd, vd)[0]
         got = vidattn.attention_varlen(q, k, v, cu_q, cu_k, Sq, max_k)[:Sq]
         diff = (ref.float() - got.float()).abs().max().item()

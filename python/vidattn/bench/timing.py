@@ -29,7 +29,7 @@ GPU_REP_MS = 200
 def gpu_median_ms(fn: Callable[[], object], do_bench=None) -> float:
     """The median time of ``fn`` from ``triton.testing.do_bench`` after GPU_WARMUP_MS of
     untimed runs, over GPU_REP_MS of runs (do_bench picks the counts; L2 flushed before each
-    run). The bench's rows and tools/bench_dense_cuda.py time through it."""
+    run). The bench's rows and the benchmarks and probes in tools/ time through it."""
     if do_bench is None:
         import triton.testing
 
