@@ -1,9 +1,11 @@
 """SM clock and board power while a kernel runs back to back, as a benchmark's timed loop does.
 
-    python3 tools/power_clocks.py [--seconds 2] [--out F.txt]
+    python3 tools/power_clocks.py [--seconds 2] [--cases dense,vsa,sparse] [--out F.txt]
 
-For each workload (vidattn's dense forward and cuDNN's at Wan 480p and 32K tokens, D128; the
-whole VSA forward at Wan 480p), after 1 s idle: run it back to back for --seconds, sampling
+For each workload (--cases: `dense`, vidattn's dense forward and cuDNN's at Wan 480p and 32K
+tokens, D128; `vsa`, the whole VSA forward at Wan 480p; `sparse`, the 64-token block-sparse
+forward at Wan 480p and 720p, 90%, on the bench's uniform random lists, with the K / V bytes
+it moves from L2 per second), after 1 s idle: run it back to back for --seconds, sampling
 NVML every 50 ms (the bench's sampler), and print the median SM clock, power and clock-limit
 reasons over the
 second half of the window (the first half is the ramp to the power limit), with the median
@@ -20,7 +22,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import vidattn
+from vidattn.bench.blocksparse_case import random_selection
 from vidattn.bench.clocks import ClockSampler
+from vidattn.vsa import topk_from_sparsity
 
 from report_text import emit  # tools/report_text.py
 
@@ -88,18 +92,50 @@ def measure(work, seconds, tool):
     return lines
 
 
+def sparse_work(randn, g):
+    """The 64-token block-sparse forward at Wan 480p and 720p, 90%, on uniform random
+    ascending lists (the bench's selection), as (name, fn, rate) workloads. The rate adds the
+    K / V bytes moved from L2 per second: 128-key blocks of two tiles, an odd list's last
+    tile loaded twice (tools/sm90_split_probe/probe.py counts them the same way)."""
+    work = []
+    for name, seq, heads in (("480p", 39936, 12), ("720p", 92160, 40)):
+        tiles = seq // 64
+        topk = topk_from_sparsity(0.9, tiles)
+        q, k, v = (randn(1, seq, heads, 128) for _ in range(3))
+        index, count = random_selection(1, heads, tiles, tiles, topk, g, "cuda")
+        flops = 4 * heads * seq * topk * 64 * 128
+        keys = (topk + 1) // 2 * 128  # per query tile
+        kv_bytes = heads * tiles * keys * 2 * (128 * 2)
+        flop_rate = tflop_rate(flops)
+
+        def rate(ms, mhz, flop_rate=flop_rate, kv_bytes=kv_bytes):
+            return flop_rate(ms, mhz) + f", K/V {kv_bytes / ms / 1e9:5.2f} TB/s"
+
+        work.append((f"vidattn block-sparse {name} (64-token tiles, 0.9)",
+                     lambda q=q, k=k, v=v, index=index, count=count:
+                     vidattn.block_sparse_attention(q, k, v, index, count, tile_volume=64,
+                                                    validate_index=False), rate))
+    return work
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seconds", type=float, default=2.0)
+    p.add_argument("--cases", default="dense,vsa",
+                   help="comma-separated: dense, vsa, sparse")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    cases = set(args.cases.split(","))
+    unknown = cases - {"dense", "vsa", "sparse"}
+    if unknown:
+        p.error(f"--cases: unknown {sorted(unknown)}; expected dense, vsa or sparse")
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(*shape):
         return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
 
     work = []
-    for seq, heads in ((39936, 12), (32768, 16)):
+    for seq, heads in ((39936, 12), (32768, 16)) if "dense" in cases else ():
         q, k, v = (randn(1, seq, heads, 128) for _ in range(3))
         flops = 4 * seq * seq * heads * 128
         qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
@@ -111,10 +147,13 @@ def main() -> None:
         work.append((f"vidattn dense {seq}x{heads}", lambda q=q, k=k, v=v:
                      vidattn.attention(q, k, v), tflop_rate(flops)))
         work.append((f"cuDNN dense {seq}x{heads}", cudnn, tflop_rate(flops)))
-    tiling = vidattn.VideoTiling(grid=(21, 30, 52), tile=(4, 4, 4), device="cuda")
-    tq, tk, tv = (tiling.tile(randn(1, tiling.num_tokens, 12, 128)) for _ in range(3))
-    work.append(("vidattn VSA 480p (sparsity 0.9)", lambda: vidattn.video_sparse_attention(
-        tq, tk, tv, tiling=tiling, sparsity=0.9), no_rate))
+    if "vsa" in cases:
+        tiling = vidattn.VideoTiling(grid=(21, 30, 52), tile=(4, 4, 4), device="cuda")
+        tq, tk, tv = (tiling.tile(randn(1, tiling.num_tokens, 12, 128)) for _ in range(3))
+        work.append(("vidattn VSA 480p (sparsity 0.9)", lambda: vidattn.video_sparse_attention(
+            tq, tk, tv, tiling=tiling, sparsity=0.9), no_rate))
+    if "sparse" in cases:
+        work += sparse_work(randn, g)
 
     emit(measure(work, args.seconds, "power_clocks"), args.out)
 
