@@ -3,6 +3,7 @@
 # within each round so that clock and thermal drift reach all of them alike.
 #   OUT=dir ROUNDS=2 bash tools/sm90_ab.sh "-" "VIDATTN_SM90_HD128_BLOCKN=176" ...
 #   AB_TOOL=power SECONDS_EACH=3 bash tools/sm90_ab.sh "-" "VIDATTN_SM90_CLUSTER=0"
+#   (POWER_ARGS="--cases vsa,sparse" picks power_clocks.py's workloads)
 # A setting is "-" (no variable) or space-separated VAR=value pairs.
 #  * AB_TOOL=bench (default): tools/bench_dense_cuda.py, vidattn's forward only (dense rows
 #    and the sm_90a block-sparse rows); writes $OUT/ab_<setting index>_<round>.json and
@@ -25,7 +26,7 @@ for ((r = 1; r <= ROUNDS; ++r)); do
     # shellcheck disable=SC2086  # the setting is a list of VAR=value words
     if [[ $AB_TOOL == power ]]; then
       env $s timeout "${AB_TIMEOUT:-120}" python3 tools/power_clocks.py \
-        --seconds "${SECONDS_EACH:-3}" --out "$OUT/power_${i}_${r}.txt" >/dev/null \
+        --seconds "${SECONDS_EACH:-3}" ${POWER_ARGS:-} --out "$OUT/power_${i}_${r}.txt" >/dev/null \
         2>"$OUT/power_${i}_${r}.err" ||
         echo "setting $i round $r failed: $(tail -1 "$OUT/power_${i}_${r}.err")"
       echo "## setting '${settings[$i]}', round $r"
