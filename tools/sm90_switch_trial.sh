@@ -2,7 +2,7 @@
 # One GPU-machine call that tries a kernel switch: the GPU tests of the kernels it changes with
 # the switch set, compute-sanitizer (memcheck, racecheck, synccheck) on tools/sm90_smoke.py
 # with it, then tools/sm90_ab.sh's bench rows without and with it, alternating. Logs under $OUT.
-#   SWITCH="VIDATTN_SM90_STREAM_TURNS=1" PREBUILT_OPS=build/carry/_vidattn_ops.so OUT=/tmp/t \
+#   SWITCH="VIDATTN_SM90_PINGPONG=0" PREBUILT_OPS=build/carry/_vidattn_ops.so OUT=/tmp/t \
 #     bash tools/sm90_switch_trial.sh
 # PYTEST_PATHS: the tests run with the switch (default: the block-sparse and VSA CUDA tests);
 # BENCH_ARGS / ROUNDS: as tools/sm90_ab.sh takes them (default: 480p dense beside the
