@@ -106,6 +106,16 @@ inline bool pingpong_enabled() {
   return on;
 }
 
+// VIDATTN_SM90_HALF_LAST_BLOCK=1 runs an odd key-tile list's last block of the 64-token kernel
+// at half width (read once; off by default until measured).
+inline bool half_last_block_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("VIDATTN_SM90_HALF_LAST_BLOCK");
+    return v != nullptr && v[0] == '1';
+  }();
+  return on;
+}
+
 // VIDATTN_SM90_RESCALE_SLACK=<log2 units> (read once): OnlineSoftmax::slack; default 8,
 // negative for the textbook online softmax (for measuring it).
 inline float rescale_slack() {
@@ -362,6 +372,7 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   if constexpr (Traits::kPrefixLoads)
     p.prefix = make_prefix_load_maps<Traits>(a, p.kv_rows, p.tma_batch);
   p.pingpong = pingpong_enabled();
+  p.half_last_block = half_last_block_enabled();
   p.rescale_slack = rescale_slack();
   const bool persistent = Traits::kStreamItems || dense_grid_persistent(a);
   const int sms = cuda_sm80::current_sm_count();

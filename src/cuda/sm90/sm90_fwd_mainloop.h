@@ -86,16 +86,18 @@ __device__ __forceinline__ StreamTile tile_of_slot(const FwdKernelParams<Traits>
 // memory descriptors built from it stay in uniform registers).
 __device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 
-// wgmma helper: C (+)= A B over the k-blocks of the operands, one commit group.
-template <class Mma, class TA, class TB, class TC>
+// wgmma helper: C (+)= A B over the k-blocks of the operands (the first kKBlocks of them,
+// if given), one commit group.
+template <int kKBlocks = -1, class Mma, class TA, class TB, class TC>
 __device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA const& a, TB const& b, TC& c,
                                                bool zero_init) {
   using namespace cute;
+  constexpr int kBlocks = kKBlocks < 0 ? int(decltype(size<2>(a))::value) : kKBlocks;
   warpgroup_fence_operand(c);
   warpgroup_arrive();
   mma.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
   CUTE_UNROLL
-  for (int k = 0; k < size<2>(a); ++k) {
+  for (int k = 0; k < kBlocks; ++k) {
     cute::gemm(mma, a(_, _, k), b(_, _, k), c);
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
@@ -185,6 +187,8 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
     st.tile[q_phase] = t;
     st.tile_slot[q_phase] = slot;
     st.tile_blocks[q_phase] = n;
+    if constexpr (Traits::kHalfLoads)  // not for a tile's only block (consumer_loop)
+      st.tile_last_half[q_phase] = p.half_last_block && n > 1 && visit.last_block_half();
     if constexpr (Traits::kEarlyTileSetup) Barrier::arrive(&st.tile_full);
     Barrier::arrive_and_expect_tx(&st.q_full, Traits::kQBytes);
     bool q_loaded = false;
@@ -324,6 +328,30 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   auto k_slot = [&](int stage) { return tSrK(_, _, _, warp_uniform(stage)); };
   auto v_slot = [&](int stage) { return tOrV(_, _, _, warp_uniform(stage)); };
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<BM>, Int<BN>>{});
+  // A block without keys in its second half (Traits::kHalfLoads; p.half_last_block): S as a
+  // BN / 2-key product (tSrSlo, then widened into tSrS), P V over the first BN / 2 keys.
+  typename Traits::MmaQKHalf mma_qk_half;
+  auto wg_qk_half = mma_qk_half.get_thread_slice(wg * 128);
+  Tensor tSrQh = wg_qk_half.partition_fragment_A(sQ);
+  Tensor tSrKlo = wg_qk_half.partition_fragment_B(
+      local_tile(sK, Shape<Int<BN / 2>, Int<D>, Int<Traits::kStagesK>>{}, make_coord(0, 0, 0)));
+  Tensor tSrSlo = partition_fragment_C(mma_qk_half, Shape<Int<BM>, Int<BN / 2>>{});
+  static_assert(!Traits::kHalfLoads ||
+                decltype(size(tSrSlo))::value * 2 == decltype(size(tSrS))::value);
+  // S of the block in K slot `stage` (kHalf: its first BN / 2 keys), one commit group.
+  auto issue_s = [&](int stage, auto kHalf) __attribute__((always_inline)) {
+    if constexpr (decltype(kHalf)::value)
+      warpgroup_gemm(mma_qk_half, tSrQh, tSrKlo(_, _, _, warp_uniform(stage)), tSrSlo, true);
+    else
+      warpgroup_gemm(mma_qk, tSrQ, k_slot(stage), tSrS, true);
+  };
+  // After a half S: its values into tSrS's first half, whose registers the full product's
+  // layout puts in the same order, and the second half's absent keys as -inf.
+  auto widen_half = [&]() __attribute__((always_inline)) {
+    constexpr int kHalfVals = decltype(size(tSrSlo))::value;
+    CUTE_UNROLL
+    for (int v = 0; v < kHalfVals; ++v) tSrS(v) = tSrSlo(v), tSrS(v + kHalfVals) = -INFINITY;
+  };
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<BM>, Int<D>>{});
   // P as the A operand of the RS product: value order of the accumulator, k-blocks of 16.
   Tensor tOrP = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<BN / 16>>>{});
@@ -494,11 +522,18 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       continue;
     }
 
+    // An odd list's last block runs at half width (Traits::kHalfLoads, p.half_last_block),
+    // unless it is the tile's only block (a half S there, beside the tile's first softmax,
+    // left ptxas short of registers for the wgmma pipeline: C7511). Each product issued under
+    // this branch is waited for inside it: a wgmma still in flight where the two paths meet
+    // makes ptxas serialise every wgmma of the kernel (C7515).
+    bool last_half = false;  // the producer's record (one read, warp-uniform: no BRA.DIV)
+    if constexpr (Traits::kHalfLoads) last_half = control(st.tile_last_half[record]) != 0;
     // Block 0: S, softmax; its P V product is issued together with block 1's S.
     Barrier::wait(&st.k_full[ring.stage], ring.phase);
     const KeyBlock kb = landed_block(0, ring.stage);
     turns.wait_turn();
-    warpgroup_gemm(mma_qk, tSrQ, k_slot(ring.stage), tSrS, true);
+    issue_s(ring.stage, cute::false_type{});
     turns.pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
@@ -513,18 +548,22 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     // Block i: its S and the P V product of block i - 1 are issued together; the softmax of
     // block i runs while that P V product does. kMask: 0 never masks (no mask code in the
     // loop that runs most blocks: fewer live registers), 1 always, 2 as the block says.
-    auto step = [&](int i, auto kMask) __attribute__((always_inline)) {
+    auto step = [&](int i, auto kMask, auto kHalf) __attribute__((always_inline)) {
       constexpr int kMaskMode = decltype(kMask)::value;
       Barrier::wait(&st.k_full[ring.stage], ring.phase);
       KeyBlock b;
       if constexpr (kMaskMode != 0) b = landed_block(i, ring.stage);
       Barrier::wait(&st.v_full[prev.stage], prev.phase);
       turns.wait_turn();
-      warpgroup_gemm(mma_qk, tSrQ, k_slot(ring.stage), tSrS, true);
+      issue_s(ring.stage, kHalf);
       warpgroup_fence_operand(tOrP);
       warpgroup_gemm(mma_pv, tOrP, v_slot(prev.stage), tOrO, i == 1);
       turns.pass_turn();
       warpgroup_wait<1>();  // S of block i is ready; P V of block i - 1 still runs
+      if constexpr (decltype(kHalf)::value) {
+        warpgroup_fence_operand(tSrSlo);
+        widen_half();
+      }
       warpgroup_fence_operand(tSrS);
       release(&st.k_empty[ring.stage]);
       if (i == n - 1) Barrier::arrive(&st.q_empty);
@@ -545,7 +584,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     if constexpr (Visit::kMaskedSuffix) {
       const int unmasked_end = control(min(visit.first_masked_block(), n));
       int i = 1;
-      for (; i < unmasked_end; ++i) step(i, cute::Int<0>{});
+      for (; i < unmasked_end; ++i) step(i, cute::Int<0>{}, cute::false_type{});
       // The tile's description (sequence, policy, row limit: ~25 registers of 64-bit values)
       // is read again from the producer's record here instead of being kept through the
       // unmasked loop, where three consumer warpgroups (160 registers each) spill (less so
@@ -553,16 +592,24 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       t = st.tile[record];
       visit = Visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
       row_limit = query_row_limit();
-      for (; i < n; ++i) step(i, cute::Int<1>{});
+      for (; i < n; ++i) step(i, cute::Int<1>{}, cute::false_type{});
     } else {
-      for (int i = 1; i < n; ++i) step(i, cute::Int<2>{});
+      const int full_end = last_half ? n - 1 : n;
+      for (int i = 1; i < full_end; ++i) step(i, cute::Int<2>{}, cute::false_type{});
+      if (last_half) step(n - 1, cute::Int<2>{}, cute::true_type{});
     }
     Barrier::wait(&st.v_full[prev.stage], prev.phase);
     turns.wait_turn();
     warpgroup_fence_operand(tOrP);
-    warpgroup_gemm(mma_pv, tOrP, v_slot(prev.stage), tOrO, n == 1);
-    turns.pass_turn();
-    warpgroup_wait<0>();
+    if (last_half) {
+      warpgroup_gemm<BN / 32>(mma_pv, tOrP, v_slot(prev.stage), tOrO, n == 1);
+      turns.pass_turn();
+      warpgroup_wait<0>();
+    } else {
+      warpgroup_gemm(mma_pv, tOrP, v_slot(prev.stage), tOrO, n == 1);
+      turns.pass_turn();
+      warpgroup_wait<0>();
+    }
     warpgroup_fence_operand(tOrO);
     release(&st.v_empty[prev.stage]);
     write_output(wg);

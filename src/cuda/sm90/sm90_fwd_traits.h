@@ -139,6 +139,15 @@ struct FwdTraits {
                                  cute::Shape<cute::Int<kBlockMStream>, cute::Int<kBlockN>,
                                              cute::Int<kHeadDim>>>(),
       WGLayout{}));
+  // kHalfLoads: S of a block whose second half holds no key (an odd key-tile list's last
+  // block) as a kBlockN / 2-key product into the first half of the accumulator, whose
+  // registers the full product's layout puts first (PV then runs its first kBlockN / 32
+  // k-blocks). VIDATTN_SM90_HALF_LAST_BLOCK.
+  using MmaQKHalf = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kBlockMStream>, cute::Int<kBlockN / 2>,
+                                             cute::Int<kHeadDim>>>(),
+      WGLayout{}));
   using MmaPV = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<kBlockMStream>, cute::Int<kHeadDim>,
@@ -220,6 +229,8 @@ struct FwdTraits {
     // a tile's record until its epilogue, after the producer may have published the next tile.
     StreamTile tile[2];
     int tile_slot[2], tile_blocks[2];
+    // kHalfLoads: whether the tile's last block has keys in its first half only.
+    int tile_last_half[2];
     // kFusedCombine: the tile whose output the consumers have written (-1: no more), handed
     // to the stream's combining warp (o_ready: the consumers' stores done; o_free: the item
     // read, so the next may be written).
