@@ -187,8 +187,13 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
     st.tile[q_phase] = t;
     st.tile_slot[q_phase] = slot;
     st.tile_blocks[q_phase] = n;
-    if constexpr (Traits::kHalfLoads)  // not for a tile's only block (consumer_loop)
-      st.tile_last_half[q_phase] = p.half_last_block && n > 1 && visit.last_block_half();
+    // Whether the consumers run the tile's last block at half width (not a tile's only block:
+    // consumer_loop). The walk below then visits that block last.
+    bool last_half = false;
+    if constexpr (Traits::kHalfLoads) {
+      last_half = p.half_last_block && n > 1 && visit.last_block_half();
+      st.tile_last_half[q_phase] = last_half;
+    }
     if constexpr (Traits::kEarlyTileSetup) Barrier::arrive(&st.tile_full);
     Barrier::arrive_and_expect_tx(&st.q_full, Traits::kQBytes);
     bool q_loaded = false;
@@ -219,14 +224,18 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
     // K of block i waits for the consumers to finish S of block i - kStagesK; V of block i
     // for P V of block i - kStagesV (a block later than its S). kRotatedWalk: the blocks
     // from first_block on, wrapping (the consumers take each block's record from the
-    // producer, so only this loop knows the order).
+    // producer, so only this loop knows the order); a half-width last block stays last.
     static_assert(!Traits::kRotatedWalk || Visit::kProducerRecordsBlocks,
                   "a rotated walk needs the consumers to read the producer's block records");
+    const int rotated = last_half ? n - 1 : n;
     int first = 0;
-    if constexpr (Traits::kRotatedWalk) first = p.items.first_block(slot, n);
+    if constexpr (Traits::kRotatedWalk) first = p.items.first_block(slot, rotated);
     for (int i = 0; i < n; ++i) {
-      int b = i + first;
-      if (b >= n) b -= n;
+      int b = i;
+      if (i < rotated) {
+        b += first;
+        if (b >= rotated) b -= rotated;
+      }
       const KeyBlock kb = visit.block(b);
       // The bytes the block's loads complete: a whole slot, or its prefixes (kPrefixLoads).
       uint32_t kv_bytes = Traits::kKVBytes;
