@@ -106,13 +106,11 @@ inline bool pingpong_enabled() {
   return on;
 }
 
-// VIDATTN_SM90_HALF_LAST_BLOCK=1 runs an odd key-tile list's last block of the 64-token kernel
-// at half width (read once; off by default until measured).
+// The 64-token kernel runs an odd key-tile list's last block at half width (+1.2% at Wan 480p,
+// 90%: docs/perf-notes.md, Hopper v38); VIDATTN_SM90_HALF_LAST_BLOCK=0 keeps it at full width
+// (for measuring it; read once).
 inline bool half_last_block_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("VIDATTN_SM90_HALF_LAST_BLOCK");
-    return v != nullptr && v[0] == '1';
-  }();
+  static const bool on = env_switch_on("VIDATTN_SM90_HALF_LAST_BLOCK");
   return on;
 }
 
