@@ -242,8 +242,6 @@ struct FwdTraits {
     // a tile's record until its epilogue, after the producer may have published the next tile.
     StreamTile tile[2];
     int tile_slot[2], tile_blocks[2];
-    // kHalfLoads: whether the tile's last block has keys in its first half only.
-    int tile_last_half[2];
     // kFusedCombine: the tile whose output the consumers have written (-1: no more), handed
     // to the stream's combining warp (o_ready: the consumers' stores done; o_free: the item
     // read, so the next may be written).
@@ -252,6 +250,9 @@ struct FwdTraits {
     // kEarlyTileSetup: the tile record is written (the producer's plain arrive; phases as
     // q_full's). Here, in what was padding, so that the other kernels keep their layout.
     uint64_t tile_full;
+    // kHalfLoads: whether the tile's last block runs at half width (after the fields above,
+    // in what was padding, so that the other kernels keep their layout).
+    int tile_last_half[2];
     // kTmaStoreO: the output rows on their way to the TMA store (last, so that the kernels
     // without it keep their layout).
     struct NoO {};
