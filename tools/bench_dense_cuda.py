@@ -34,8 +34,12 @@ SWEEP = ("1,4096,24,128 2,8192,24,128 4,4096,16,128 1,16384,24,128,causal 1,3276
          "1,32760:257,12,64 1,24576:128,32,64 4,2048,16,64").split()
 # Block-sparse rows (sm_90a standalone launcher): B, S, H, D, tile volume, sparsity. Random
 # ascending key-tile lists of topk = ceil((1 - s) * tiles) per query tile, full tiles.
+# BENCH_SPARSE="B,S,H,D,tile,sparsity ..." replaces them (library A/Bs of other rows).
 SPARSE = [(1, 39936, 12, 128, 64, 0.875), (1, 39936, 12, 128, 64, 0.9),
           (1, 92160, 40, 128, 64, 0.9)]
+if os.environ.get("BENCH_SPARSE"):
+    SPARSE = [tuple(int(x) if i < 5 else float(x) for i, x in enumerate(spec.split(",")))
+              for spec in os.environ["BENCH_SPARSE"].split()]
 
 
 def tflops(flops, ms):

@@ -5,7 +5,9 @@
 # alternating within each round) of
 #  * dense forward against cuDNN (tools/bench_dense_cuda.py --fwd-vs-cudnn, DENSE_SHAPES),
 #  * the sm_90a block-sparse rows (bench_dense_cuda.py, ours only, one dense shape first),
-#  * the whole VSA forward (tools/vsa_lib_ab.sh, VSA_ARGS; default Wan 480p).
+#  * the whole VSA forward (tools/vsa_lib_ab.sh, VSA_ARGS; default Wan 480p; several
+#    argument sets separated by ";").
+# SPARSE_ROWS (bench_dense_cuda.py's BENCH_SPARSE) picks the block-sparse rows.
 #   NEW=build/carry/new.so OLD=build/carry/old.so OUT=$OUT ROUNDS=2 STAGES="pytest sanitizer
 #     dense sparse vsa" bash tools/lib_ab_device_run.sh
 # NEW may name several candidates, "a=x.so b=y.so" (a bare path is called "new").
@@ -77,13 +79,17 @@ if has dense; then
 fi
 if has sparse; then
   log "block-sparse rows (ours only)"
-  BENCH_OURS_ONLY=1 bash tools/lib_ab.sh tools/bench_dense_cuda.py "${candidates[@]}" old="$OLD" -- \
+  BENCH_OURS_ONLY=1 BENCH_SPARSE=${SPARSE_ROWS:-} bash tools/lib_ab.sh tools/bench_dense_cuda.py \
+    "${candidates[@]}" old="$OLD" -- \
     "$OUT/sparse.json" --shapes 1,39936,12,128 >"$OUT/sparse_ab.log" 2>&1
   summarize "$OUT/sparse_ab.log"
 fi
 if has vsa; then
   log "whole VSA forward"
-  # shellcheck disable=SC2086  # a list of arguments
-  bash tools/vsa_lib_ab.sh "${candidates[@]}" old="$OLD" -- $VSA_ARGS 2>&1 | tee "$OUT/vsa_ab.log"
+  IFS=';' read -r -a vsa_cases <<<"$VSA_ARGS"
+  for args in "${vsa_cases[@]}"; do
+    # shellcheck disable=SC2086  # a list of arguments
+    bash tools/vsa_lib_ab.sh "${candidates[@]}" old="$OLD" -- $args 2>&1 | tee -a "$OUT/vsa_ab.log"
+  done
 fi
 log "done"
