@@ -22,7 +22,6 @@ struct FwdKernelParams {
   int q_rows = 0, kv_rows = 0, tma_batch = 0;
   TileScheduler sched;
   bool pingpong = true;  // two-warpgroup streams take turns issuing their products
-  bool half_last_block = true;  // Traits::kHalfLoads: an odd list's last block at half width
   float rescale_slack = 8.f;  // OnlineSoftmax::slack
   StreamItems items;          // Traits::kStreamItems only
   CombineArgs combine;        // Traits::kFusedCombine only

@@ -106,14 +106,6 @@ inline bool pingpong_enabled() {
   return on;
 }
 
-// The 64-token kernel runs an odd key-tile list's last block at half width (+1.2% at Wan 480p,
-// 90%: docs/perf-notes.md, Hopper v38); VIDATTN_SM90_HALF_LAST_BLOCK=0 keeps it at full width
-// (for measuring it; read once).
-inline bool half_last_block_enabled() {
-  static const bool on = env_switch_on("VIDATTN_SM90_HALF_LAST_BLOCK");
-  return on;
-}
-
 // VIDATTN_SM90_RESCALE_SLACK=<log2 units> (read once): OnlineSoftmax::slack; default 8,
 // negative for the textbook online softmax (for measuring it).
 inline float rescale_slack() {
@@ -370,7 +362,6 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   if constexpr (Traits::kPrefixLoads)
     p.prefix = make_prefix_load_maps<Traits>(a, p.kv_rows, p.tma_batch);
   p.pingpong = pingpong_enabled();
-  p.half_last_block = half_last_block_enabled();
   p.rescale_slack = rescale_slack();
   const bool persistent = Traits::kStreamItems || dense_grid_persistent(a);
   const int sms = cuda_sm80::current_sm_count();

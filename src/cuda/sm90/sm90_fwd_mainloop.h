@@ -86,18 +86,16 @@ __device__ __forceinline__ StreamTile tile_of_slot(const FwdKernelParams<Traits>
 // memory descriptors built from it stay in uniform registers).
 __device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
 
-// wgmma helper: C (+)= A B over the k-blocks of the operands (the first kKBlocks of them,
-// if given), one commit group.
-template <int kKBlocks = -1, class Mma, class TA, class TB, class TC>
+// wgmma helper: C (+)= A B over the k-blocks of the operands, one commit group.
+template <class Mma, class TA, class TB, class TC>
 __device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA const& a, TB const& b, TC& c,
                                                bool zero_init) {
   using namespace cute;
-  constexpr int kBlocks = kKBlocks < 0 ? int(decltype(size<2>(a))::value) : kKBlocks;
   warpgroup_fence_operand(c);
   warpgroup_arrive();
   mma.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
   CUTE_UNROLL
-  for (int k = 0; k < kBlocks; ++k) {
+  for (int k = 0; k < size<2>(a); ++k) {
     cute::gemm(mma, a(_, _, k), b(_, _, k), c);
     mma.accumulate_ = GMMA::ScaleOut::One;
   }
@@ -187,13 +185,6 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
     st.tile[q_phase] = t;
     st.tile_slot[q_phase] = slot;
     st.tile_blocks[q_phase] = n;
-    // Whether the consumers run the tile's last block at half width (not a tile's only block:
-    // consumer_loop). The walk below then visits that block last.
-    bool last_half = false;
-    if constexpr (Traits::kHalfLoads) {
-      last_half = p.half_last_block && n > 1 && visit.last_block_half();
-      st.tile_last_half[q_phase] = last_half;
-    }
     if constexpr (Traits::kEarlyTileSetup) Barrier::arrive(&st.tile_full);
     Barrier::arrive_and_expect_tx(&st.q_full, Traits::kQBytes);
     bool q_loaded = false;
@@ -224,18 +215,14 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
     // K of block i waits for the consumers to finish S of block i - kStagesK; V of block i
     // for P V of block i - kStagesV (a block later than its S). kRotatedWalk: the blocks
     // from first_block on, wrapping (the consumers take each block's record from the
-    // producer, so only this loop knows the order); a half-width last block stays last.
+    // producer, so only this loop knows the order).
     static_assert(!Traits::kRotatedWalk || Visit::kProducerRecordsBlocks,
                   "a rotated walk needs the consumers to read the producer's block records");
-    const int rotated = last_half ? n - 1 : n;
     int first = 0;
-    if constexpr (Traits::kRotatedWalk) first = p.items.first_block(slot, rotated);
+    if constexpr (Traits::kRotatedWalk) first = p.items.first_block(slot, n);
     for (int i = 0; i < n; ++i) {
-      int b = i;
-      if (i < rotated) {
-        b += first;
-        if (b >= rotated) b -= rotated;
-      }
+      int b = i + first;
+      if (b >= n) b -= n;
       const KeyBlock kb = visit.block(b);
       // The bytes the block's loads complete: a whole slot, or its prefixes (kPrefixLoads).
       uint32_t kv_bytes = Traits::kKVBytes;
@@ -337,30 +324,6 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   auto k_slot = [&](int stage) { return tSrK(_, _, _, warp_uniform(stage)); };
   auto v_slot = [&](int stage) { return tOrV(_, _, _, warp_uniform(stage)); };
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<BM>, Int<BN>>{});
-  // A block without keys in its second half (Traits::kHalfLoads; p.half_last_block): S as a
-  // BN / 2-key product (tSrSlo, then widened into tSrS), P V over the first BN / 2 keys.
-  typename Traits::MmaQKHalf mma_qk_half;
-  auto wg_qk_half = mma_qk_half.get_thread_slice(wg * 128);
-  Tensor tSrQh = wg_qk_half.partition_fragment_A(sQ);
-  Tensor tSrKlo = wg_qk_half.partition_fragment_B(
-      local_tile(sK, Shape<Int<BN / 2>, Int<D>, Int<Traits::kStagesK>>{}, make_coord(0, 0, 0)));
-  Tensor tSrSlo = partition_fragment_C(mma_qk_half, Shape<Int<BM>, Int<BN / 2>>{});
-  static_assert(!Traits::kHalfLoads ||
-                decltype(size(tSrSlo))::value * 2 == decltype(size(tSrS))::value);
-  // S of the block in K slot `stage` (kHalf: its first BN / 2 keys), one commit group.
-  auto issue_s = [&](int stage, auto kHalf) __attribute__((always_inline)) {
-    if constexpr (decltype(kHalf)::value)
-      warpgroup_gemm(mma_qk_half, tSrQh, tSrKlo(_, _, _, warp_uniform(stage)), tSrSlo, true);
-    else
-      warpgroup_gemm(mma_qk, tSrQ, k_slot(stage), tSrS, true);
-  };
-  // After a half S: its values into tSrS's first half, whose registers the full product's
-  // layout puts in the same order, and the second half's absent keys as -inf.
-  auto widen_half = [&]() __attribute__((always_inline)) {
-    constexpr int kHalfVals = decltype(size(tSrSlo))::value;
-    CUTE_UNROLL
-    for (int v = 0; v < kHalfVals; ++v) tSrS(v) = tSrSlo(v), tSrS(v + kHalfVals) = -INFINITY;
-  };
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<BM>, Int<D>>{});
   // P as the A operand of the RS product: value order of the accumulator, k-blocks of 16.
   Tensor tOrP = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<BN / 16>>>{});
@@ -531,18 +494,11 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       continue;
     }
 
-    // An odd list's last block runs at half width (Traits::kHalfLoads, p.half_last_block),
-    // unless it is the tile's only block (a half S there, beside the tile's first softmax,
-    // left ptxas short of registers for the wgmma pipeline: C7511). Each product issued under
-    // this branch is waited for inside it: a wgmma still in flight where the two paths meet
-    // makes ptxas serialise every wgmma of the kernel (C7515).
-    bool last_half = false;  // the producer's record (one read, warp-uniform: no BRA.DIV)
-    if constexpr (Traits::kHalfLoads) last_half = control(st.tile_last_half[record]) != 0;
     // Block 0: S, softmax; its P V product is issued together with block 1's S.
     Barrier::wait(&st.k_full[ring.stage], ring.phase);
     const KeyBlock kb = landed_block(0, ring.stage);
     turns.wait_turn();
-    issue_s(ring.stage, cute::false_type{});
+    warpgroup_gemm(mma_qk, tSrQ, k_slot(ring.stage), tSrS, true);
     turns.pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tSrS);
@@ -557,22 +513,18 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     // Block i: its S and the P V product of block i - 1 are issued together; the softmax of
     // block i runs while that P V product does. kMask: 0 never masks (no mask code in the
     // loop that runs most blocks: fewer live registers), 1 always, 2 as the block says.
-    auto step = [&](int i, auto kMask, auto kHalf) __attribute__((always_inline)) {
+    auto step = [&](int i, auto kMask) __attribute__((always_inline)) {
       constexpr int kMaskMode = decltype(kMask)::value;
       Barrier::wait(&st.k_full[ring.stage], ring.phase);
       KeyBlock b;
       if constexpr (kMaskMode != 0) b = landed_block(i, ring.stage);
       Barrier::wait(&st.v_full[prev.stage], prev.phase);
       turns.wait_turn();
-      issue_s(ring.stage, kHalf);
+      warpgroup_gemm(mma_qk, tSrQ, k_slot(ring.stage), tSrS, true);
       warpgroup_fence_operand(tOrP);
       warpgroup_gemm(mma_pv, tOrP, v_slot(prev.stage), tOrO, i == 1);
       turns.pass_turn();
       warpgroup_wait<1>();  // S of block i is ready; P V of block i - 1 still runs
-      if constexpr (decltype(kHalf)::value) {
-        warpgroup_fence_operand(tSrSlo);
-        widen_half();
-      }
       warpgroup_fence_operand(tSrS);
       release(&st.k_empty[ring.stage]);
       if (i == n - 1) Barrier::arrive(&st.q_empty);
@@ -593,7 +545,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     if constexpr (Visit::kMaskedSuffix) {
       const int unmasked_end = control(min(visit.first_masked_block(), n));
       int i = 1;
-      for (; i < unmasked_end; ++i) step(i, cute::Int<0>{}, cute::false_type{});
+      for (; i < unmasked_end; ++i) step(i, cute::Int<0>{});
       // The tile's description (sequence, policy, row limit: ~25 registers of 64-bit values)
       // is read again from the producer's record here instead of being kept through the
       // unmasked loop, where three consumer warpgroups (160 registers each) spill (less so
@@ -601,24 +553,16 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       t = st.tile[record];
       visit = Visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
       row_limit = query_row_limit();
-      for (; i < n; ++i) step(i, cute::Int<1>{}, cute::false_type{});
+      for (; i < n; ++i) step(i, cute::Int<1>{});
     } else {
-      const int full_end = last_half ? n - 1 : n;
-      for (int i = 1; i < full_end; ++i) step(i, cute::Int<2>{}, cute::false_type{});
-      if (last_half) step(n - 1, cute::Int<2>{}, cute::true_type{});
+      for (int i = 1; i < n; ++i) step(i, cute::Int<2>{});
     }
     Barrier::wait(&st.v_full[prev.stage], prev.phase);
     turns.wait_turn();
     warpgroup_fence_operand(tOrP);
-    if (last_half) {
-      warpgroup_gemm<BN / 32>(mma_pv, tOrP, v_slot(prev.stage), tOrO, n == 1);
-      turns.pass_turn();
-      warpgroup_wait<0>();
-    } else {
-      warpgroup_gemm(mma_pv, tOrP, v_slot(prev.stage), tOrO, n == 1);
-      turns.pass_turn();
-      warpgroup_wait<0>();
-    }
+    warpgroup_gemm(mma_pv, tOrP, v_slot(prev.stage), tOrO, n == 1);
+    turns.pass_turn();
+    warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);
     release(&st.v_empty[prev.stage]);
     write_output(wg);

@@ -68,7 +68,6 @@ struct DenseKeyRange {
   __device__ __forceinline__ int num_blocks() const {
     return static_cast<int>((k_end + kBlockN - 1) / kBlockN);
   }
-  __device__ __forceinline__ bool last_block_half() const { return false; }
   // Blocks [0, first_masked_block()) need no mask and every later one does (block(i).needs_mask
   // is monotone in i): a key mask masks every block, a partial last block starts at
   // len_k / kBlockN, and the causal diagonal at the first block whose last key passes the
@@ -150,8 +149,6 @@ struct SparseKeyList {
   __device__ __forceinline__ int num_blocks() const {
     return kHalves ? (count + 1) / 2 : count * blocks_per_tile;
   }
-  // An odd list's last block: its second half holds no key tile.
-  __device__ __forceinline__ bool last_block_half() const { return kHalves && (count & 1); }
   // Valid keys of key tile `tile` (0 for an out-of-range id: TMA zero-fills outside the
   // tensor and every key is masked).
   __device__ __forceinline__ int tile_keys(int tile) const {

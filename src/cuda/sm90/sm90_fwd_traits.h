@@ -139,28 +139,6 @@ struct FwdTraits {
                                  cute::Shape<cute::Int<kBlockMStream>, cute::Int<kBlockN>,
                                              cute::Int<kHeadDim>>>(),
       WGLayout{}));
-  // kHalfLoads: S of a block whose second half holds no key (an odd key-tile list's last
-  // block) as a kBlockN / 2-key product, whose values are the full product's first ones in the
-  // same order (checked below; the consumers widen them into the full fragment), and P V over
-  // its first kBlockN / 32 k-blocks. VIDATTN_SM90_HALF_LAST_BLOCK.
-  using MmaQKHalf = decltype(cute::make_tiled_mma(
-      cute::GMMA::ss_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<kBlockMStream>, cute::Int<kBlockN / 2>,
-                                             cute::Int<kHeadDim>>>(),
-      WGLayout{}));
-  // Each thread's value v of the half product is (row, key) of its value v in the full one:
-  // every value of the threads that cover the quad, warp and warpgroup strides (all 128 are
-  // past the compiler's constexpr budget).
-  static constexpr bool half_product_values_lead() {
-    constexpr auto full = MmaQK{}.get_layoutC_TV();  // (thread, value) -> row + rows * key
-    constexpr auto half = MmaQKHalf{}.get_layoutC_TV();
-    constexpr int threads[] = {0, 1, 2, 3, 4, 8, 31, 32, 64, 127};
-    for (int t : threads)
-      for (int v = 0; v < int(cute::size<1>(half)); ++v)
-        if (full(t, v) != half(t, v)) return false;
-    return true;
-  }
-  static_assert(!kHalfLoads || half_product_values_lead());
   using MmaPV = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Element, Element, float,
                                  cute::Shape<cute::Int<kBlockMStream>, cute::Int<kHeadDim>,
@@ -250,9 +228,6 @@ struct FwdTraits {
     // kEarlyTileSetup: the tile record is written (the producer's plain arrive; phases as
     // q_full's). Here, in what was padding, so that the other kernels keep their layout.
     uint64_t tile_full;
-    // kHalfLoads: whether the tile's last block runs at half width (after the fields above,
-    // in what was padding, so that the other kernels keep their layout).
-    int tile_last_half[2];
     // kTmaStoreO: the output rows on their way to the TMA store (last, so that the kernels
     // without it keep their layout).
     struct NoO {};
