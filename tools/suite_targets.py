@@ -17,15 +17,18 @@ VSA_SPEEDUP = 7.5
 
 
 def key(row):
+    """A dense row's problem, to find the block-sparse rows' own dense rate."""
     s = row["shape"]
-    return (s["batch"], s["heads"], s["q_len"], s["kv_len"], s["head_dim"], s["causal"])
+    return (row.get("dtype"), s["batch"], s["heads"], s["q_len"], s["kv_len"], s["head_dim"],
+            s["causal"])
 
 
 def target_lines(rows):
-    """The report's lines for a suite's rows, and whether every target holds."""
-    rows = [r for r in rows if r.get("status") == "ok"]
+    """The report's lines for a suite's rows, and whether every target holds. The ratios are
+    the runner's own (``ratios_to_peers``: the peer's median time over ours, same group)."""
+    ours = [r for r in rows if r.get("status") == "ok" and r.get("is_ours")]
+    dense_rate = {key(r): r["tflops"] for r in ours if r["case"] == "dense"}
     lines = []
-    by = {(r["case"], r["impl"], key(r), r["shape"].get("sparsity")): r for r in rows}
     ok = True
 
     def verdict(value, bound):
@@ -33,53 +36,41 @@ def target_lines(rows):
         ok &= value >= bound
         return "met" if value >= bound else f"missed by {100 * (1 - value / bound):.1f}%"
 
-    dense_rate = {}
-    for (case, impl, k, _), r in by.items():
-        if case != "dense" or impl != "vidattn":
-            continue
-        dense_rate[k] = r["tflops"]
-        peer = by.get(("dense", "sdpa-cudnn", k, None))
-        d = r["shape"]["head_dim"]
-        if peer is None or r["shape"]["causal"]:
-            continue
-        ratio = peer["median_ms"] / r["median_ms"]
-        shape = r["shape"]
-        if shape["kv_len"] != shape["q_len"] or (d == 128 and shape["q_len"] < 16384):
-            # Cross attention and short sequences: measured, outside the issue's targets.
-            lines.append(f"dense {r['shape_label']}: {r['tflops']:.1f} vs cuDNN "
-                         f"{peer['tflops']:.1f} TFLOP/s, {ratio:.3f}x (no target)")
-            continue
-        lines.append(f"dense {r['shape_label']}: {r['tflops']:.1f} vs cuDNN {peer['tflops']:.1f} "
-                     f"TFLOP/s, {ratio:.3f}x (>= {DENSE_TARGET[d]:.2f}x: "
-                     f"{verdict(ratio, DENSE_TARGET[d])})")
-    for (case, impl, k, sp), r in by.items():
-        if case != "blocksparse" or impl != "vidattn":
-            continue
-        line = f"block-sparse {r['shape_label']}: {r['tflops']:.1f} TFLOP/s"
-        if k in dense_rate:
-            frac = r["tflops"] / dense_rate[k]
-            line += (f", {100 * frac:.1f}% of our dense {dense_rate[k]:.1f} "
-                     f"(>= 90%: {verdict(frac, SPARSE_OF_DENSE)})")
-        for peer_impl, bound in SPARSE_PEERS.items():
-            peer = by.get(("blocksparse", peer_impl, k, sp))
-            if peer is not None:
-                ratio = peer["median_ms"] / r["median_ms"]
-                line += f"; {ratio:.2f}x {peer_impl} (>= {bound}x: {verdict(ratio, bound)})"
-        lines.append(line)
-    for (case, impl, k, sp), r in by.items():
-        if case != "vsa" or impl != "vidattn-vsa":
-            continue
-        peer = by.get(("vsa", "sdpa-cudnn", k, sp))
-        fv = by.get(("vsa", "fastvideo-vsa", k, sp))
-        if peer is None:
-            continue
-        speedup = peer["median_ms"] / r["median_ms"]
-        line = (f"whole VSA {r['shape_label']}: {r['median_ms']:.3f} ms, cuDNN dense "
-                f"{peer['median_ms']:.3f} ms, {speedup:.2f}x (>= {VSA_SPEEDUP}x: "
-                f"{verdict(speedup, VSA_SPEEDUP)})")
-        if fv is not None:
-            line += f"; {fv['median_ms'] / r['median_ms']:.2f}x FastVideo's op"
-        lines.append(line)
+    for r in ours:
+        shape, peers = r["shape"], r.get("ratios_to_peers") or {}
+        if r["case"] == "dense":
+            ratio = peers.get("sdpa-cudnn")
+            if ratio is None or shape["causal"]:
+                continue
+            d = shape["head_dim"]
+            head = (f"dense {r['shape_label']}: {r['tflops']:.1f} vs cuDNN "
+                    f"{r['tflops'] / ratio:.1f} TFLOP/s, {ratio:.3f}x")
+            if shape["kv_len"] != shape["q_len"] or (d == 128 and shape["q_len"] < 16384):
+                # Cross attention and short sequences: measured, outside the issue's targets.
+                lines.append(f"{head} (no target)")
+            else:
+                lines.append(f"{head} (>= {DENSE_TARGET[d]:.2f}x: "
+                             f"{verdict(ratio, DENSE_TARGET[d])})")
+        elif r["case"] == "blocksparse":
+            line = f"block-sparse {r['shape_label']}: {r['tflops']:.1f} TFLOP/s"
+            dense = dense_rate.get(key(r))
+            if dense is not None:
+                frac = r["tflops"] / dense
+                line += (f", {100 * frac:.1f}% of our dense {dense:.1f} "
+                         f"(>= {100 * SPARSE_OF_DENSE:.0f}%: {verdict(frac, SPARSE_OF_DENSE)})")
+            for peer, bound in SPARSE_PEERS.items():
+                if peer in peers:
+                    line += (f"; {peers[peer]:.2f}x {peer} (>= {bound}x: "
+                             f"{verdict(peers[peer], bound)})")
+            lines.append(line)
+        elif r["case"] == "vsa" and "sdpa-cudnn" in peers:
+            speedup = peers["sdpa-cudnn"]
+            line = (f"whole VSA {r['shape_label']}: {r['median_ms']:.3f} ms, cuDNN dense "
+                    f"{r['median_ms'] * speedup:.3f} ms, {speedup:.2f}x (>= {VSA_SPEEDUP}x: "
+                    f"{verdict(speedup, VSA_SPEEDUP)})")
+            if "fastvideo-vsa" in peers:
+                line += f"; {peers['fastvideo-vsa']:.2f}x FastVideo's op"
+            lines.append(line)
     return lines, ok
 
 
