@@ -47,6 +47,10 @@ def main() -> int:
     results.append(vidattn.attention(q, q, q))
     q, k = rnd(1, 347, 73, 128), rnd(1, 300, 1, 128)
     results.append(vidattn.attention(q, k, k))
+    # Causal on the same kernel, 260 tiles on 132 CTAs: the snake order's last round, whose
+    # slots past the tiles land on whole tiles (not pieces: nothing is split under causal).
+    q, k = rnd(1, 384, 130, 128), rnd(1, 77, 10, 128)
+    results.append(vidattn.attention(q, k, k, causal=True))
     # D = 64 with 8200 keys on the persistent grid, and past its 24576 keys on one CTA per
     # tile (partial query tile, partial key block).
     for keys in (8200, 24600):

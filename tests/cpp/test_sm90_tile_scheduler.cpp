@@ -130,6 +130,43 @@ TEST(Sm90TileScheduler, SplitLastRoundCoversEveryPieceOnce) {
   }
 }
 
+// A kSplitTail kernel that splits nothing (from == tiles: causal always, or a last round too
+// full to gain) must walk the scheduler's own order, the causal snake included: on a
+// persistent grid its last round's slots past the tiles are whole tiles, not pieces (decoding
+// them as pieces loaded Q by an unset TMA descriptor: an illegal instruction on the GPU).
+TEST(Sm90TileScheduler, UnsplitTailKeepsTheSchedulersOrder) {
+  // (query blocks, heads, batch, grid): 260 = 2 x 130 causal tiles on 132 CTAs, the case
+  // that failed (varlen: 5 sequences x 26 heads x 2 tiles); others of partial last rounds.
+  const std::vector<std::tuple<int, int, int, int>> shapes = {
+      {2, 26, 5, 132}, {2, 130, 1, 132}, {3, 7, 2, 10}, {2, 66, 2, 132}, {1, 1, 1, 1}};
+  for (const auto& [m_blocks, heads, batch, grid_hint] : shapes) {
+    for (const bool causal : {false, true}) {
+      TileScheduler s;
+      s.set_shape(m_blocks, heads, batch, causal);
+      const int tiles = s.total_tiles();
+      const SplitTail split{tiles};
+      ASSERT_EQ(split.slots(s), tiles);
+      const int grid = grid_hint < tiles ? grid_hint : tiles;
+      s.set_grid(grid, tiles);
+      std::vector<int> seen(tiles, 0);
+      for (int slot = 0; slot < s.slots_end; ++slot) {
+        const TileCoord got = split.decode(s, slot);
+        const TileCoord want = s.decode(slot);
+        ASSERT_EQ(got.valid, want.valid) << "slot " << slot;
+        if (!want.valid) continue;
+        ASSERT_EQ(got.piece, -1) << "slot " << slot;
+        ASSERT_EQ(std::make_tuple(got.m_block, got.head, got.batch),
+                  std::make_tuple(want.m_block, want.head, want.batch))
+            << "slot " << slot;
+        ++seen[(got.batch * heads + got.head) * m_blocks + got.m_block];
+      }
+      for (int t = 0; t < tiles; ++t)
+        ASSERT_EQ(seen[t], 1) << "tile " << t << " of " << m_blocks << "x" << heads << "x"
+                              << batch << (causal ? " causal" : "");
+    }
+  }
+}
+
 TEST(Sm90StreamItems, DecodeMatchesPlainDivision) {
   for (const auto& [q_blocks, heads, batch] :
        std::vector<std::tuple<int, int, int>>{{624, 12, 1}, {1, 1, 1}, {1440, 40, 2},

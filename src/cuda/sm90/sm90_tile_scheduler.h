@@ -103,7 +103,10 @@ struct SplitTail {
     return from + pieces(s.total_tiles(), from);
   }
   __host__ __device__ __forceinline__ TileCoord decode(const TileScheduler& s, int slot) const {
-    if (slot < from) return s.decode(slot);
+    // No tile split (from == total, always so for causal): the scheduler's own order. Its
+    // snake walks the last round's slots past the tiles too, where they land on whole tiles
+    // (1 x 260 causal tiles on 132 CTAs: slots 260-263 are tiles 135-132), not on pieces.
+    if (slot < from || from >= s.total_tiles()) return s.decode(slot);
     const int j = slot - from;
     const int tile = from + j / 3;  // a constant divisor: a multiply-high
     TileCoord c = s.decode(tile);

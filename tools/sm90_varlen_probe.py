@@ -1,0 +1,122 @@
+"""Checks one attention case on the GPU against float64 by the project's rule (targets.md)
+and names the kernel that ran: for narrowing down a failure to a case and an instance.
+
+  python3 tools/sm90_varlen_probe.py --lq 384,0,1,200,64 --lk 77,5,0,128,1 --heads 26,2 \
+      --causal 1
+A single --lq / --lk value with --batch B runs the batched layout instead of varlen. Prints
+one line per sequence (max abs error, the bf16 PyTorch error, the rule's bound) and the
+kernels' names; exits 1 when a sequence misses the rule, 2 on a CUDA error."""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+import vidattn
+
+
+def reference(q, k, v, scale, causal):
+    """[S, H, D] attention with PyTorch ops in q's dtype (bottom-right causal, as vidattn)."""
+    Sq, Hq, _ = q.shape
+    Sk, Hkv = k.shape[0], k.shape[1]
+    k = k.repeat_interleave(Hq // Hkv, dim=1)
+    v = v.repeat_interleave(Hq // Hkv, dim=1)
+    s = torch.einsum("ihd,jhd->hij", q, k) * scale
+    vis = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device)
+    if causal:
+        vis = torch.tril(vis, diagonal=Sk - Sq)
+    row = vis.any(-1, keepdim=True)
+    s = s.masked_fill(~vis, float("-inf")).masked_fill(~row, 0.0)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.logsumexp(s.to(lse_dtype), dim=-1).masked_fill(~row[..., 0], float("-inf"))
+    out = torch.einsum("hij,jhd->ihd", torch.softmax(s, dim=-1) * row, v)
+    return out, lse
+
+
+def rule(got, ref64, low, dtype):
+    """(error, bound): targets.md's rule, 2 x PyTorch's error in dtype plus a quarter ulp."""
+    finite = torch.isfinite(ref64)
+    if not torch.equal(torch.isfinite(got), finite):
+        return math.inf, 0.0
+    if got.numel() == 0:
+        return 0.0, 0.0
+    g, r, lo = (t.double().masked_fill(~finite, 0) for t in (got, ref64, low))
+    err = (g - r).abs().max().item()
+    base = (lo - r).abs().max().item()
+    return err, 2 * base + 0.25 * torch.finfo(dtype).eps * r.abs().max().item() + 1e-6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lq", required=True)
+    ap.add_argument("--lk", required=True)
+    ap.add_argument("--batch", type=int, default=0, help="batched layout of B sequences")
+    ap.add_argument("--heads", default="26,2", help="Hq,Hkv")
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--causal", type=int, default=0)
+    ap.add_argument("--scale", type=float, default=4.0, help="q and k input scale")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda", help="cpu: the script's own check")
+    a = ap.parse_args()
+    lq = [int(x) for x in a.lq.split(",")]
+    lk = [int(x) for x in a.lk.split(",")]
+    Hq, Hkv = (int(x) for x in a.heads.split(","))
+    D, dt, dev = a.dim, torch.bfloat16, a.device
+    g = torch.Generator(device=dev)
+    g.manual_seed(a.seed)
+
+    def rnd(n, h, s):
+        return (torch.randn((n, h, D), generator=g, device=dev) * s).to(dt)
+
+    if a.batch:
+        lq, lk = lq * a.batch, lk * a.batch
+    q, k, v = rnd(sum(lq), Hq, a.scale), rnd(sum(lk), Hkv, a.scale), rnd(sum(lk), Hkv, 1.0)
+    import contextlib
+    prof = (torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            if dev == "cuda" else contextlib.nullcontext())
+    try:
+        with prof:
+            if a.batch:
+                B = a.batch
+                out, lse = vidattn.attention(q.view(B, lq[0], Hq, D), k.view(B, lk[0], Hkv, D),
+                                             v.view(B, lk[0], Hkv, D), causal=bool(a.causal),
+                                             return_lse=True)
+                out = out.reshape(-1, Hq, D)
+                lse = lse.permute(1, 0, 2).reshape(Hq, -1)
+            else:
+                cq = torch.tensor([0] + [sum(lq[:i + 1]) for i in range(len(lq))],
+                                  dtype=torch.int32, device=dev)
+                ck = torch.tensor([0] + [sum(lk[:i + 1]) for i in range(len(lk))],
+                                  dtype=torch.int32, device=dev)
+                out, lse = vidattn.attention_varlen(q, k, v, cq, ck, max(lq), max(lk),
+                                                    causal=bool(a.causal), return_lse=True)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+    except RuntimeError as e:  # a CUDA error: sticky, nothing after it can run
+        print(f"CUDA error: {e}".splitlines()[0])
+        return 2
+    names = sorted({e.name for e in prof.events() if "sm90_attention_fwd_kernel" in e.name}
+                   if dev == "cuda" else ())
+    for n in names:
+        print("kernel:", n[:300])
+    worst, oq, ok = 0, 0, 0
+    sc = 1.0 / math.sqrt(D)
+    for x, y in zip(lq, lk):
+        pq, pk, pv = q[oq:oq + x], k[ok:ok + y], v[ok:ok + y]
+        ref, ref_lse = reference(pq.double().cpu(), pk.double().cpu(), pv.double().cpu(), sc,
+                                 bool(a.causal))
+        low, low_lse = reference(pq, pk, pv, sc, bool(a.causal))
+        e_o, b_o = rule(out[oq:oq + x].cpu(), ref, low.cpu(), dt)
+        e_l, b_l = rule(lse[:, oq:oq + x].cpu(), ref_lse, low_lse.cpu(), dt)
+        bad = e_o > b_o or e_l > b_l
+        worst = max(worst, int(bad))
+        print(f"seq ({x},{y}): out err {e_o:.3e} bound {b_o:.3e} | lse err {e_l:.3e} "
+              f"bound {b_l:.3e}{'  FAIL' if bad else ''}")
+        oq, ok = oq + x, ok + y
+    return worst
+
+
+if __name__ == "__main__":
+    sys.exit(main())
