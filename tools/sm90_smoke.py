@@ -51,6 +51,8 @@ def main() -> int:
     # slots past the tiles land on whole tiles (not pieces: nothing is split under causal).
     q, k = rnd(1, 384, 130, 128), rnd(1, 77, 10, 128)
     results.append(vidattn.attention(q, k, k, causal=True))
+    q = rnd(1, 2000, 13, 64)  # D = 64's three-warpgroup tiles likewise: 143 tiles
+    results.append(vidattn.attention(q, q, q, causal=True))
     # D = 64 with 8200 keys on the persistent grid, and past its 24576 keys on one CTA per
     # tile (partial query tile, partial key block).
     for keys in (8200, 24600):

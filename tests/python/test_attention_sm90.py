@@ -46,6 +46,9 @@ CASES = [  # B, Sq, Sk, Hq, Hkv, D, dtype, causal
     # Dense128Short, causal, on a persistent grid with a partial last round (260 tiles of 192
     # rows on 132 CTAs): the causal snake's slots past the tiles are whole tiles.
     (1, 384, 77, 130, 10, 128, torch.bfloat16, True),
+    (1, 384, 300, 130, 10, 128, torch.float16, True),
+    # The same for D = 64's 192-row tiles at every key length: 11 x 13 = 143 tiles.
+    (1, 2000, 2000, 13, 13, 64, torch.bfloat16, True),
     # D = 64 (the 192-row tile of three consumer warpgroups) past 8192 keys, on the persistent
     # grid: partial last query tile and a partial last key block.
     (1, 500, 8200, 4, 2, 64, torch.bfloat16, False),
