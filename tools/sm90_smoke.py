@@ -53,6 +53,12 @@ def main() -> int:
     results.append(vidattn.attention(q, k, k, causal=True))
     q = rnd(1, 2000, 13, 64)  # D = 64's three-warpgroup tiles likewise: 143 tiles
     results.append(vidattn.attention(q, q, q, causal=True))
+    # D = 128 with 77 keys: the one-block kernel (three warpgroups, one 128-key block), whole
+    # tiles (384 x 132 heads: two per CTA) and a split last round (347 x 73 heads).
+    q, k = rnd(1, 384, 132, 128), rnd(1, 77, 12, 128)
+    results.append(vidattn.attention(q, k, k))
+    q, k = rnd(1, 347, 73, 128), rnd(1, 77, 1, 128)
+    results.append(vidattn.attention(q, k, k))
     # D = 64 with 8200 keys on the persistent grid, and past its 24576 keys on one CTA per
     # tile (partial query tile, partial key block).
     for keys in (8200, 24600):

@@ -63,6 +63,14 @@ template <class T>
 using Dense128ShortTraits =
     FwdTraits<CutlassElement<T>, 128, 64, 3, 1, 2, 2, false, false, false, 1, true>;
 inline constexpr std::int64_t kDense128ShortMaxKeys = 512;
+// Its problems of at most 128 keys (text tokens): the same tile and warpgroups over one
+// 128-key block (FwdTraits::kOneBlock), one S, softmax and P V per tile instead of two. One
+// K and one V slot: a tile's single block frees its K with Q (the next tile's loads start
+// then), and the shared memory stays Dense128Short's (more would shrink L1, where the
+// three-warpgroup kernels' spills live: perf-notes, v30).
+template <class T>
+using Dense128OneBlockTraits =
+    FwdTraits<CutlassElement<T>, 128, 128, 3, 1, 1, 1, false, false, false, 1, true>;
 // Block-sparse with 128 / 256-token tiles: 128-key blocks (a 256 tile is two), one 128-row
 // stream of two warpgroups, on a persistent grid of stream items as the 64-token kernel
 // (+2-4% over one CTA per tile at the Wan and HunyuanVideo shapes; perf-notes, Hopper v18).
@@ -431,6 +439,10 @@ bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
                                                                      stream);
   } else {
     if (launch_detail::dense128_short_fits<T>(p)) {
+      using OneBlock = launch_detail::Dense128OneBlockTraits<T>;
+      if (p.seqlen_k <= OneBlock::kBlockN)  // kOneBlock runs one key block per tile
+        return launch_detail::launch<OneBlock, DenseKeyRange<OneBlock::kBlockN>>(
+            p, SparseKeyListArgs{}, stream);
       using Short = launch_detail::Dense128ShortTraits<T>;
       return launch_detail::launch<Short, DenseKeyRange<Short::kBlockN>>(
           p, SparseKeyListArgs{}, stream);

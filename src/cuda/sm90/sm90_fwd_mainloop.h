@@ -447,7 +447,10 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
         // barrier counts every consumer thread, in the ring's order). Each block runs S,
         // softmax, P V in turn: the three warpgroups keep the tensor cores busy between them.
         bool first = true;
-        for (int i = 0; i < n; ++i) {
+        // kOneBlock: at most one block (a constant trip count, so that no accumulator is live
+        // across iterations).
+        for (int i = 0; i < (Traits::kOneBlock ? 1 : n); ++i) {
+          if (Traits::kOneBlock && i >= n) break;
           const RingState<Traits::kStagesV> vs = v_ring();
           Barrier::wait(&st.k_full[ring.stage], ring.phase);
           if (i % Traits::kWGPerStream != wg) {
@@ -471,6 +474,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
           }
           convert_p();
           Barrier::wait(&st.v_full[vs.stage], vs.phase);
+          if constexpr (Traits::kOneBlock) clear(tOrO);  // see the tile's last P V below
           warpgroup_fence_operand(tOrP);
           warpgroup_gemm(mma_pv, tOrP, v_slot(vs.stage), tOrO, first);
           warpgroup_wait<0>();
@@ -542,7 +546,9 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       prev = v_ring();
       advance_rings();
     };
-    if constexpr (Visit::kMaskedSuffix) {
+    if constexpr (Traits::kOneBlock) {
+      // n == 1 (the dispatch's key limit): block 0 was the whole loop.
+    } else if constexpr (Visit::kMaskedSuffix) {
       const int unmasked_end = control(min(visit.first_masked_block(), n));
       int i = 1;
       for (; i < unmasked_end; ++i) step(i, cute::Int<0>{});
@@ -558,9 +564,13 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       for (int i = 1; i < n; ++i) step(i, cute::Int<2>{});
     }
     Barrier::wait(&st.v_full[prev.stage], prev.phase);
+    // kOneBlock: O defined here, so that the product's operand fence does not keep the last
+    // tile's O live through this tile's S (64 + 64 values and P: past 160 registers, and
+    // ptxas serialises the wgmma).
+    if constexpr (Traits::kOneBlock) clear(tOrO);
     turns.wait_turn();
     warpgroup_fence_operand(tOrP);
-    warpgroup_gemm(mma_pv, tOrP, v_slot(prev.stage), tOrO, n == 1);
+    warpgroup_gemm(mma_pv, tOrP, v_slot(prev.stage), tOrO, Traits::kOneBlock || n == 1);
     turns.pass_turn();
     warpgroup_wait<0>();
     warpgroup_fence_operand(tOrO);

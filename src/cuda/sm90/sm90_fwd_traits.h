@@ -78,6 +78,12 @@ struct FwdTraits {
   //   Dense128Short at 77-128 keys; elsewhere -2.6% (D = 64 three-warpgroup kernel, 128
   //   keys) and -2% (the D = 128 CTA pairs).
   static constexpr bool kDense128Short = kHeadDim == 128 && kWGPerStream == 3;
+  // kOneBlock: D = 128 on three warpgroups with 128-key blocks. At 160 registers a 128-key S
+  // (64 values) fits beside the O accumulator (64) only while no P of a previous block is
+  // live, i.e. when one block is the whole key loop: this instance serves at most 128 keys
+  // (the dispatch checks) and compiles only that path: one S, one softmax, one P V, where the
+  // 64-key blocks take two of each.
+  static constexpr bool kOneBlock = kDense128Short && kBlockN == 128;
   static constexpr bool kUniformControl = !kDense128Short;
   static constexpr bool kEarlyTileSetup = kDense128Short;
   static constexpr bool kSplitTail =
