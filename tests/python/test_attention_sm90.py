@@ -218,6 +218,43 @@ def test_sm90_random_problems_around_the_dispatch_limits(problem):
                                      seed=seed, check_grads=False))
 
 
+# Seeded random problems over the persistent grid's schedule: enough heads and batches for one
+# to several rounds of tiles on 132 SMs, mostly with a partial last round (under causal every
+# other round walks backwards), at the key lengths of the three-warpgroup kernels (the one-block
+# instance, 64-key blocks, the split last round) and past them. The cases above have fewer tiles
+# than SMs or whole rounds; a causal partial odd round ran tiles as split pieces until 0a9abcb.
+def _schedule_problem(i: int):
+    rng = random.Random(zlib.crc32(repr(("schedule", i)).encode()))
+    D = rng.choice([64, 128])
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    Sk = rng.choice([rng.randint(1, 128), rng.randint(129, 512), rng.randint(513, 3000)])
+    Sq = rng.randint(1, 600)
+    B, Hkv = rng.randint(1, 3), rng.randint(1, 8)
+    Hq = Hkv * rng.randint(1, 24)
+    # Keep the float64 reference's score matrix under ~3e7 entries.
+    while B * Hq * Sq * Sk > 3e7:
+        if Sk > 512:
+            Sk //= 2
+        else:
+            Sq = max(1, Sq // 2)
+    return B, Sq, Sk, Hq, Hkv, D, dtype, rng.random() < 0.5
+
+
+SCHEDULE_PROBLEMS = [_schedule_problem(i) for i in range(32)]
+
+
+@pytest.mark.parametrize("problem", SCHEDULE_PROBLEMS, ids=lambda c: _dispatch_problem_id(
+    c + (False, False)))
+def test_sm90_random_problems_over_the_schedule(problem):
+    B, Sq, Sk, Hq, Hkv, D, dtype, causal = problem
+    seed = zlib.crc32(repr(problem).encode())
+    g = gen(seed)
+    q = randn((B, Sq, Hq, D), dtype, g, 4.0)
+    k = randn((B, Sk, Hkv, D), dtype, g, 4.0)
+    v = randn((B, Sk, Hkv, D), dtype, g)
+    takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
+
+
 def test_sm90_padding_masks_and_packed_views():
     g = gen(91)
     B, S, H, D = 3, 300, 4, 128
