@@ -43,8 +43,9 @@ CASES = [  # B, Sq, Sk, Hq, Hkv, D, dtype, causal
     (1, 700, 2100, 6, 3, 64, torch.float16, False),
     (1, 2100, 700, 6, 6, 64, torch.bfloat16, True),
     (3, 257, 129, 5, 5, 128, torch.float16, True),
-    # Dense128Short, causal, on a persistent grid with a partial last round (260 tiles of 192
-    # rows on 132 CTAs): the causal snake's slots past the tiles are whole tiles.
+    # D = 128 on three warpgroups (77 keys: the one-block instance; 300: 64-key blocks),
+    # causal, on a persistent grid with a partial last round (260 tiles of 192 rows on 132
+    # CTAs): the causal snake's slots past the tiles are whole tiles.
     (1, 384, 77, 130, 10, 128, torch.bfloat16, True),
     (1, 384, 300, 130, 10, 128, torch.float16, True),
     # The same for D = 64's 192-row tiles at every key length: 11 x 13 = 143 tiles.
@@ -422,9 +423,9 @@ def test_sm90_key_padding_masked_instance_without_packing():
 
 
 # The second case (D = 64: the 192-row tile) has sequences past 8192 keys. The third runs on
-# Dense128Short (at most 512 keys, three warpgroups): 5 sequences x 26 heads make 260 tiles of
-# 192 rows on 132 CTAs, a partial last round (under causal, the snake order's slots past the
-# tiles: they once decoded as split pieces, an illegal instruction).
+# D = 128's three warpgroups (at most 128 keys: the one-block instance): 5 sequences x 26
+# heads make 260 tiles of 192 rows on 132 CTAs, a partial last round (under causal, the snake
+# order's slots past the tiles: they once decoded as split pieces, an illegal instruction).
 @pytest.mark.parametrize("input_scale", [1.0, 4.0])
 @pytest.mark.parametrize("lq,lk,D,Hq", [([300, 0, 1, 129, 64], [260, 5, 0, 400, 1], 128, 4),
                                         ([300, 0, 200, 1], [8300, 5, 9000, 700], 64, 4),
