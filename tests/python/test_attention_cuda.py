@@ -76,17 +76,24 @@ def grad_term_sizes(q, k, v, gout, scale):
     return scale * dp * amax(k), scale * dp * amax(q), amax(gout)
 
 
-def check_rule(name, got, ref64, lowp, dtype, factor=2.0, terms=0.0):
-    finite = torch.isfinite(ref64)
-    assert torch.equal(torch.isfinite(got), finite), f"{name}: non-finite pattern differs"
+def rule_error(got, ref64, lowp, dtype, factor=2.0, terms=0.0):
+    """The rule of targets.md over the reference's finite elements: (max abs error of got,
+    that of PyTorch's computation in dtype, the bound factor x the latter + floor)."""
     if got.numel() == 0:
-        return
+        return 0.0, 0.0, 0.0
+    finite = torch.isfinite(ref64)
     g = got.double().masked_fill(~finite, 0)
     r = ref64.masked_fill(~finite, 0)
     l = lowp.double().masked_fill(~finite, 0)
     err = (g - r).abs().max().item()
     base = (l - r).abs().max().item()
-    bound = factor * base + floor_of(r, dtype, terms)
+    return err, base, factor * base + floor_of(r, dtype, terms)
+
+
+def check_rule(name, got, ref64, lowp, dtype, factor=2.0, terms=0.0):
+    assert torch.equal(torch.isfinite(got), torch.isfinite(ref64)), \
+        f"{name}: non-finite pattern differs"
+    err, base, bound = rule_error(got, ref64, lowp, dtype, factor, terms)
     assert err <= bound, f"{name}: max abs error {err:.3e} > {factor} x {base:.3e} + floor"
 
 
