@@ -53,8 +53,10 @@ struct FwdTraits {
   static constexpr bool kTmaStoreO = kTmaStoreO_;
   static_assert(!kTmaStoreO || (!kStreamItems && kClusterM == 1),
                 "the TMA output store serves the dense single-CTA kernel");
-  // Pairs only: clusters of 4 saved more power but lost 8% of the work per clock, -3% in all
-  // (docs/perf-notes.md, Hopper v21).
+  // Pairs only: at most 30 clusters of four fit an H200 at once (120 of its 132 SMs: the GPCs'
+  // SM counts are not multiples of four), and with two or three K / V slots they ran 2-6%
+  // slower than pairs; per working SM and clock they matched them (docs/perf-notes.md, Hopper
+  // v21 and "Clusters of four").
   static_assert(kClusterM == 1 || (kClusterM == 2 && !kStreamItems && !kHalfLoads),
                 "multicast K / V serves the dense static schedule, in pairs");
   // Stream items walk their key blocks from StreamItems::first_block on, so the streams in
