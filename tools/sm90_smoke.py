@@ -37,7 +37,7 @@ def main() -> int:
     # per CTA; small problems stay on the 128-row tile): a one-key last block, GQA.
     q, k = rnd(1, 384, 132, 128), rnd(1, 257, 12, 128)
     results.append(vidattn.attention(q, k, k))
-    # D = 64 with 128 keys, one key block per tile: 288 tiles, a partial last one.
+    # D = 64 with 128 keys: the D = 64 one-block kernel, 288 tiles, a partial last one.
     q, k = rnd(2, 1000, 48, 64), rnd(2, 128, 4, 64)
     results.append(vidattn.attention(q, k, k))
     # A last round split into 64-row pieces (SplitTail): 146 192-row tiles on an H200's 132

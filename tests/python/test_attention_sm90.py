@@ -94,7 +94,8 @@ def test_sm90_short_key_loops_on_three_warpgroups(Sk, causal, dtype):
 # the one before: D = 128 with 2 x 44 heads of 1152 queries (528 192-row tiles, and as many
 # rows on the busiest SM as 128-row tiles give, so dense128_short_fits takes the 192-row
 # tile), D = 64 with 2 x 48 heads of 1000 queries (a partial last tile). GQA; causal with fewer
-# keys than queries (whole tiles see no key); a one-key problem; 77 text tokens.
+# keys than queries (whole tiles see no key); a one-key problem; 77 text tokens. At most 128
+# keys run the one-block instances (D = 128: 77 and 128 keys; D = 64: 1 and 128).
 @pytest.mark.parametrize("D,Sk,causal,dtype", [(128, 77, False, torch.bfloat16),
                                                (128, 128, True, torch.float16),
                                                (128, 512, False, torch.bfloat16),
@@ -118,7 +119,8 @@ def test_sm90_short_key_loops_over_several_tiles_per_cta(D, Sk, causal, dtype):
 # from the device's SM count so that the launch has whole rounds and 14 tiles left over (42
 # pieces): whole tiles and pieces in one launch. 347 queries: the last tile's third piece ends
 # inside its 64 rows; key lengths give a partial last key block, one or two blocks (a
-# warpgroup with no block of its own), and a key count below one block. GQA (one KV head).
+# warpgroup with no block of its own), and a key count below one block (D = 64 with 100 keys
+# and D = 128 with 64: the one-block instances' pieces). GQA (one KV head).
 @pytest.mark.parametrize("D,Sk,dtype", [(64, 1000, torch.bfloat16), (64, 100, torch.float16),
                                         (64, 200, torch.bfloat16), (128, 300, torch.bfloat16),
                                         (128, 64, torch.float16), (128, 512, torch.float16)])

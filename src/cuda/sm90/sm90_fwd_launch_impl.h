@@ -42,7 +42,8 @@ using DenseTraits = FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2, false, fals
 template <class T, int D>
 using DenseClusterTraits =
     FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2, false, false, false, 2>;
-// D = 64: a 192-row stream of three warpgroups (160 registers each), at every key length.
+// D = 64: a 192-row stream of three warpgroups (160 registers each), at every key length
+// (at most 128 keys: the same tile compiled for one key block, Dense64OneBlockTraits).
 // At D = 64 a warpgroup's softmax of a 64 x 128 block takes several times as long as its two
 // products (a latency chain, not a full pipe: ncu shows MUFU ~47% and issue ~42% busy), so
 // two warpgroups leave the tensor cores idle half the time; a third fills more of it
@@ -71,6 +72,12 @@ inline constexpr std::int64_t kDense128ShortMaxKeys = 512;
 template <class T>
 using Dense128OneBlockTraits =
     FwdTraits<CutlassElement<T>, 128, 128, 3, 1, 1, 1, false, false, false, 1, true>;
+// D = 64 problems of at most 128 keys: Dense64Wide's tile and warpgroups with one K and one
+// V slot, compiled for one key block per tile (FwdTraits::kOneBlock): 6 local accesses in the
+// kernel against Dense64Wide's 72, +4-8% at 77-128 keys (docs/perf-notes.md, Hopper).
+template <class T>
+using Dense64OneBlockTraits =
+    FwdTraits<CutlassElement<T>, 64, 128, 3, 1, 1, 1, false, false, false, 1, true>;
 // Block-sparse with 128 / 256-token tiles: 128-key blocks (a 256 tile is two), one 128-row
 // stream of two warpgroups, on a persistent grid of stream items as the 64-token kernel
 // (+2-4% over one CTA per tile at the Wan and HunyuanVideo shapes; perf-notes, Hopper v18).
@@ -434,6 +441,10 @@ bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
         p, SparseKeyListArgs{}, stream);
   }
   if constexpr (D == 64) {
+    using OneBlock = launch_detail::Dense64OneBlockTraits<T>;
+    if (p.seqlen_k <= OneBlock::kBlockN)  // kOneBlock runs one key block per tile
+      return launch_detail::launch<OneBlock, DenseKeyRange<OneBlock::kBlockN>>(
+          p, SparseKeyListArgs{}, stream);
     using Wide = launch_detail::Dense64WideTraits<T>;
     return launch_detail::launch<Wide, DenseKeyRange<Wide::kBlockN>>(p, SparseKeyListArgs{},
                                                                      stream);

@@ -80,12 +80,14 @@ struct FwdTraits {
   //   Dense128Short at 77-128 keys; elsewhere -2.6% (D = 64 three-warpgroup kernel, 128
   //   keys) and -2% (the D = 128 CTA pairs).
   static constexpr bool kDense128Short = kHeadDim == 128 && kWGPerStream == 3;
-  // kOneBlock: D = 128 on three warpgroups with 128-key blocks. At 160 registers a 128-key S
-  // (64 values) fits beside the O accumulator (64) only while no P of a previous block is
-  // live, i.e. when one block is the whole key loop: this instance serves at most 128 keys
-  // (the dispatch checks) and compiles only that path: one S, one softmax, one P V, where the
-  // 64-key blocks take two of each.
-  static constexpr bool kOneBlock = kDense128Short && kBlockN == 128;
+  // kOneBlock: three warpgroups over one 128-key block per tile (one K and one V slot), for
+  // problems of at most 128 keys (the dispatch checks); only that path is compiled: one S,
+  // one softmax, one P V, and O is not live through S and the softmax. At D = 128 that is what
+  // lets a 128-key S (64 values) fit beside the O accumulator (64) in 160 registers, where
+  // the 64-key blocks take two of each; at D = 64 (O of 32 values) it is the loop's code and
+  // registers that go.
+  static constexpr bool kOneBlock =
+      kWGPerStream == 3 && kBlockN == 128 && kStagesK == 1 && kStagesV == 1;
   static constexpr bool kUniformControl = !kDense128Short;
   static constexpr bool kEarlyTileSetup = kDense128Short;
   static constexpr bool kSplitTail =
