@@ -43,7 +43,7 @@ template <class T, int D>
 using DenseClusterTraits =
     FwdTraits<CutlassElement<T>, D, 128, 2, 1, 2, 2, false, false, false, 2>;
 // D = 64: a 192-row stream of three warpgroups (160 registers each), at every key length
-// (at most 128 keys: the same tile compiled for one key block, Dense64OneBlockTraits).
+// (at most 128 keys: the same tile compiled for one key block, DenseOneBlockTraits).
 // At D = 64 a warpgroup's softmax of a 64 x 128 block takes several times as long as its two
 // products (a latency chain, not a full pipe: ncu shows MUFU ~47% and issue ~42% busy), so
 // two warpgroups leave the tensor cores idle half the time; a third fills more of it
@@ -64,20 +64,17 @@ template <class T>
 using Dense128ShortTraits =
     FwdTraits<CutlassElement<T>, 128, 64, 3, 1, 2, 2, false, false, false, 1, true>;
 inline constexpr std::int64_t kDense128ShortMaxKeys = 512;
-// Its problems of at most 128 keys (text tokens): the same tile and warpgroups over one
-// 128-key block (FwdTraits::kOneBlock), one S, softmax and P V per tile instead of two. One
-// K and one V slot: a tile's single block frees its K with Q (the next tile's loads start
-// then), and the shared memory stays Dense128Short's (more would shrink L1, where the
-// three-warpgroup kernels' spills live: perf-notes, v30).
-template <class T>
-using Dense128OneBlockTraits =
-    FwdTraits<CutlassElement<T>, 128, 128, 3, 1, 1, 1, false, false, false, 1, true>;
-// D = 64 problems of at most 128 keys: Dense64Wide's tile and warpgroups with one K and one
-// V slot, compiled for one key block per tile (FwdTraits::kOneBlock): 6 local accesses in the
-// kernel against Dense64Wide's 72, +4-8% at 77-128 keys (docs/perf-notes.md, Hopper).
-template <class T>
-using Dense64OneBlockTraits =
-    FwdTraits<CutlassElement<T>, 64, 128, 3, 1, 1, 1, false, false, false, 1, true>;
+// Problems of at most 128 keys (text tokens) that the three-warpgroup tiles take (D = 64
+// always, D = 128 where dense128_short_fits): the same tile and warpgroups compiled for one
+// 128-key block per tile (FwdTraits::kOneBlock). One K and one V slot: a tile's single block
+// frees its K with Q (the next tile's loads start then), and the shared memory stays no larger
+// than the loop kernels' (more would shrink L1, where the three-warpgroup kernels' spills
+// live: perf-notes, v30). D = 128: one S, softmax and P V per tile instead of Dense128Short's
+// two, +6-13%; D = 64: 6 local accesses in the kernel against Dense64Wide's 72, +4-8% at
+// 77-128 keys (docs/perf-notes.md, Hopper).
+template <class T, int D>
+using DenseOneBlockTraits =
+    FwdTraits<CutlassElement<T>, D, 128, 3, 1, 1, 1, false, false, false, 1, true>;
 // Block-sparse with 128 / 256-token tiles: 128-key blocks (a 256 tile is two), one 128-row
 // stream of two warpgroups, on a persistent grid of stream items as the 64-token kernel
 // (+2-4% over one CTA per tile at the Wan and HunyuanVideo shapes; perf-notes, Hopper v18).
@@ -440,20 +437,17 @@ bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
     return launch_detail::launch<Traits, DenseKeyRange<Traits::kBlockN, true>>(
         p, SparseKeyListArgs{}, stream);
   }
+  using OneBlock = launch_detail::DenseOneBlockTraits<T, D>;
+  if (p.seqlen_k <= OneBlock::kBlockN &&  // kOneBlock runs one key block per tile
+      (D == 64 || launch_detail::dense128_short_fits<T>(p)))
+    return launch_detail::launch<OneBlock, DenseKeyRange<OneBlock::kBlockN>>(
+        p, SparseKeyListArgs{}, stream);
   if constexpr (D == 64) {
-    using OneBlock = launch_detail::Dense64OneBlockTraits<T>;
-    if (p.seqlen_k <= OneBlock::kBlockN)  // kOneBlock runs one key block per tile
-      return launch_detail::launch<OneBlock, DenseKeyRange<OneBlock::kBlockN>>(
-          p, SparseKeyListArgs{}, stream);
     using Wide = launch_detail::Dense64WideTraits<T>;
     return launch_detail::launch<Wide, DenseKeyRange<Wide::kBlockN>>(p, SparseKeyListArgs{},
                                                                      stream);
   } else {
     if (launch_detail::dense128_short_fits<T>(p)) {
-      using OneBlock = launch_detail::Dense128OneBlockTraits<T>;
-      if (p.seqlen_k <= OneBlock::kBlockN)  // kOneBlock runs one key block per tile
-        return launch_detail::launch<OneBlock, DenseKeyRange<OneBlock::kBlockN>>(
-            p, SparseKeyListArgs{}, stream);
       using Short = launch_detail::Dense128ShortTraits<T>;
       return launch_detail::launch<Short, DenseKeyRange<Short::kBlockN>>(
           p, SparseKeyListArgs{}, stream);
