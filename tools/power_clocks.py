@@ -1,16 +1,20 @@
 """SM clock and board power while a kernel runs back to back, as a benchmark's timed loop does.
 
-    python3 tools/power_clocks.py [--seconds 2] [--cases dense,vsa,sparse] [--out F.txt]
+    python3 tools/power_clocks.py [--seconds 2] [--cases dense,vsa,sparse,gemm,idle]
+                                  [--bench-timer] [--out F.txt]
 
 For each workload (--cases: `dense`, vidattn's dense forward and cuDNN's at Wan 480p and 32K
 tokens, D128; `vsa`, the whole VSA forward at Wan 480p; `sparse`, the 64-token block-sparse
 forward at Wan 480p and 720p, 90%, on the bench's uniform random lists, with the K / V bytes
-it moves from L2 per second), after 1 s idle: run it back to back for --seconds, sampling
-NVML every 50 ms (the bench's sampler), and print the median SM clock, power and clock-limit
-reasons over the
-second half of the window (the first half is the ramp to the power limit), with the median
-call time. A long run of a kernel on an H200 sits at the board's power limit, so what it
-costs in energy per FLOP sets its clock and so its speed. Not a test; a diagnostic.
+it moves from L2 per second; `gemm`, torch's bf16 matmul (cuBLAS) at 8192^3 and 16384^3, the
+ceiling targets.md names, here at the power cap; `idle`, the board with the host asleep, the
+power that the others' energy per FLOP is counted above), after 1 s idle: run it back to back
+for --seconds, sampling NVML every 50 ms (the bench's sampler), and print the median SM clock,
+power and clock-limit reasons over the second half of the window (the first half is the ramp
+to the power limit), with the median call time. --bench-timer then times each workload as the
+bench times its rows (do_bench after a 500 ms warm-up), to set the ceiling beside them. A
+long run of a kernel on an H200 sits at the board's power limit, so what it costs in energy
+per FLOP sets its clock and so its speed. Not a test; a diagnostic.
 """
 import argparse
 import statistics
@@ -24,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import vidattn
 from vidattn.bench.blocksparse_case import random_selection
 from vidattn.bench.clocks import ClockSampler
+from vidattn.bench.timing import gpu_median_ms
 from vidattn.vsa import topk_from_sparsity
 
 from report_text import emit  # tools/report_text.py
@@ -122,19 +127,27 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--cases", default="dense,vsa",
-                   help="comma-separated: dense, vsa, sparse")
+                   help="comma-separated: dense, vsa, sparse, gemm, idle")
+    p.add_argument("--bench-timer", action="store_true",
+                   help="then time each workload as the bench's rows are (gpu_median_ms)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
     cases = set(args.cases.split(","))
-    unknown = cases - {"dense", "vsa", "sparse"}
+    unknown = cases - {"dense", "vsa", "sparse", "gemm", "idle"}
     if unknown:
-        p.error(f"--cases: unknown {sorted(unknown)}; expected dense, vsa or sparse")
+        p.error(f"--cases: unknown {sorted(unknown)}; expected dense, vsa, sparse, gemm or idle")
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def randn(*shape):
         return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
 
     work = []
+    if "idle" in cases:
+        work.append(("idle (host asleep)", lambda: time.sleep(0.01), no_rate))
+    for n in (8192, 16384) if "gemm" in cases else ():
+        a, b = randn(n, n), randn(n, n)
+        work.append((f"cuBLAS bf16 GEMM {n}^3", lambda a=a, b=b: a @ b,
+                     tflop_rate(2.0 * n ** 3)))
     for seq, heads in ((39936, 12), (32768, 16)) if "dense" in cases else ():
         q, k, v = (randn(1, seq, heads, 128) for _ in range(3))
         flops = 4 * seq * seq * heads * 128
@@ -155,7 +168,17 @@ def main() -> None:
     if "sparse" in cases:
         work += sparse_work(randn, g)
 
-    emit(measure(work, args.seconds, "power_clocks"), args.out)
+    lines = measure(work, args.seconds, "power_clocks")
+    if args.bench_timer:
+        lines.append("== the bench's timer (gpu_median_ms: do_bench after its warm-up, L2 flushed)")
+        width = max(len(name) for name, _, _ in work)
+        with torch.no_grad():
+            for name, fn, rate in work:
+                if rate is no_rate:
+                    continue
+                ms = gpu_median_ms(fn)
+                lines.append(f"  {name:{width}s} {ms:8.3f} ms  {rate(ms, None)}")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":
