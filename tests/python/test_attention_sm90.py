@@ -169,6 +169,41 @@ def test_sm90_logits_growing_along_the_keys(causal, Sq, Sk, D):
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=93, check_grads=False))
 
 
+@pytest.mark.parametrize("Sq,Sk,D", [(1000, 3000, 128), (512, 24833, 128), (700, 2900, 64)])
+def test_sm90_some_warps_redo_their_blocks(Sq, Sk, D):
+    """Query rows of three magnitudes, 16 rows (one warp's share of a warpgroup) each, against
+    keys whose norms grow along the sequence: the warps of large rows climb past their base's
+    slack block after block and redo those blocks from their max, while the warps beside them
+    keep the exponentials taken against the base they had (OnlineSoftmax::speculate). 512 x
+    24833: the CTA pairs; 1000 x 3000 and D = 64: the 128-row and 192-row persistent tiles."""
+    g = gen(311 + Sk + D)
+    B, H = 1, 2
+    rows = torch.arange(Sq, device=DEV)
+    row_scale = torch.tensor([0.05, 1.0, 6.0], device=DEV)[rows // 16 % 3]
+    q = (randn((B, Sq, H, D), torch.float32, g) * row_scale.view(1, Sq, 1, 1)).to(torch.bfloat16)
+    ramp = torch.linspace(0.25, 6.0, Sk, device=DEV).view(1, Sk, 1, 1)
+    k = (randn((B, Sk, H, D), torch.float32, g) * ramp).to(torch.bfloat16)
+    v = randn((B, Sk, H, D), torch.bfloat16, g)
+    takes_sm90(lambda: run_and_check(q, k, v, seed=311, check_grads=False))
+
+
+@pytest.mark.parametrize("slack", ["-1", "0", "12"])
+def test_sm90_rescale_slack_settings_follow_the_rule(slack):
+    """VIDATTN_SM90_RESCALE_SLACK (read once, so in a fresh process) at -1, the textbook
+    softmax (a speculated block fails whenever its partial sums pass 1/2: nearly every block
+    is redone from its max), 0 and 12 (probabilities up to 2^12 before the base moves, within
+    fp16's range for P): the growing-logits and split-tail tests of this file still follow
+    the rule."""
+    env = dict(os.environ, VIDATTN_SM90_RESCALE_SLACK=slack)
+    tests = ("test_sm90_logits_growing_along_the_keys or test_sm90_some_warps_redo_their_blocks"
+             " or test_sm90_split_last_round_matches_reference")
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          __file__, "-k", tests], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert " passed" in res.stdout and " failed" not in res.stdout, res.stdout[-3000:]
+
+
 # Seeded random problems drawn around the host dispatch's limits, so that every route meets
 # odd sizes beside the hand-picked cases above: key lengths at 1, 64, 128, 512 (the
 # three-warpgroup D = 128 kernel's limit), 1024, 4096 and 24576 (the persistent grid's) +- 1

@@ -136,6 +136,37 @@ def test_block_sparse_cuda_matches_float64_reference(case):
             assert (grads[2][b, j * V:(j + 1) * V, hk] == 0).all()
 
 
+@pytest.mark.parametrize("V,D", [(64, 128), (64, 64), (128, 128)])
+def test_some_warps_redo_their_blocks(V, D):
+    """Query rows of three magnitudes, 16 rows (one warp's share of a warpgroup) each, against
+    key tiles whose norms grow along the sequence, long lists: in each warpgroup the warps of
+    large rows climb past their base's slack and redo blocks from their max, while the warps
+    beside them keep the exponentials taken against the base they had
+    (OnlineSoftmax::speculate). Forward and LSE against the float64 reference, the rule."""
+    dtype, B, H, Qt, Kt, max_k = torch.bfloat16, 1, 2, 5, 30, 24
+    seed = 4242 + V + D
+    rows = torch.arange(Qt * V)
+    row_scale = torch.tensor([0.05, 1.0, 6.0], dtype=torch.float64)[rows // 16 % 3]
+    q = (randn((B, Qt * V, H, D), seed, torch.float64) * row_scale.view(1, -1, 1, 1)).to(dtype)
+    ramp = torch.linspace(0.25, 6.0, Kt * V, dtype=torch.float64).view(1, -1, 1, 1)
+    k = (randn((B, Kt * V, H, D), seed + 1, torch.float64) * ramp).to(dtype)
+    v = randn((B, Kt * V, H, D), seed + 2, dtype)
+    idx, cnt = random_index(B, H, Qt, Kt, max_k, seed, allow_empty=False)
+    q_sizes = torch.full((Qt,), V, dtype=torch.int32)
+    kv_sizes = torch.full((Kt,), V, dtype=torch.int32)
+    scale = D ** -0.5
+    poison_allocator(q.numel() * 8 + (1 << 20))
+    out, lse = vidattn.block_sparse_attention(q.to(DEV), k.to(DEV), v.to(DEV), idx.to(DEV),
+                                              cnt.to(DEV), tile_volume=V, return_lse=True)
+    r64 = ref.block_sparse(q.double(), k.double(), v.double(), idx, cnt, V, q_sizes, kv_sizes,
+                           scale)
+    rlp = ref.block_sparse(q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale)
+    assert_2x("out", out.cpu(), r64, rlp, dtype)
+    l64 = reference_lse(q.double(), k.double(), idx, cnt, V, q_sizes, kv_sizes, scale)
+    llp = reference_lse(q, k, idx, cnt, V, q_sizes, kv_sizes, scale)
+    assert_2x("lse", lse.cpu(), l64, llp, dtype)
+
+
 def test_padding_content_is_never_read():
     V, Qt, Kt, H = 128, 3, 4, 2
     q, k, v, idx, cnt, qs, ks = make_case(torch.bfloat16, V, 1, H, H, 64, Qt, Kt, 3, 1.0, 77)

@@ -2,6 +2,7 @@
 // (passed by value as a __grid_constant__ kernel parameter) and the tile schedule.
 #pragma once
 
+#include <cstdint>
 #include <type_traits>
 
 #include "sm90_fwd_params.h"
@@ -37,6 +38,11 @@ struct FwdKernelParams {
   std::conditional_t<Traits::kSplitTail, SplitTail, NoSplitTail> split;
   struct NoQPiece {};
   std::conditional_t<Traits::kSplitTail, typename Traits::TmaQPiece, NoQPiece> tma_q_piece;
+  // Always 0; ptxas cannot know it. Traits::kSpeculativeSoftmax moves the speculated P into
+  // the P V product's operand with `| zero`: a plain copy, ptxas forwards the speculation's
+  // own registers into the product, written while the previous product runs, and serialises
+  // every wgmma of the kernel (C7513).
+  std::uint32_t zero = 0;
 };
 
 }  // namespace vidattn::cuda_sm90

@@ -332,6 +332,8 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
   Tensor tOrP32 = recast<uint32_t>(tOrP);
 
+  constexpr int kPWords = decltype(size(tOrP32))::value;
+  uint32_t p_next[Traits::kSpeculativeSoftmax ? kPWords : 1];  // the next block's P, speculated
   auto convert_p = [&]() {
     CUTE_UNROLL
     for (int i = 0; i < decltype(size(tOrP32))::value; ++i)
@@ -535,14 +537,30 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       if constexpr (kMaskMode == 1) apply_mask(tSrS, tScS, visit, b, t.q0);
       if constexpr (kMaskMode == 2)
         if (b.needs_mask) apply_mask(tSrS, tScS, visit, b, t.q0);
-      const bool moved = softmax.template update<false>(tSrS, alpha);
+      // Most blocks leave every row's base in place (OnlineSoftmax::slack). kSpeculativeSoftmax:
+      // the exponentials go straight into p_next (P V of block i - 1 still reads tOrP), and
+      // only a warp whose check fails takes the block's max and redoes it in place.
+      bool exact = true, moved = false;
+      if constexpr (Traits::kSpeculativeSoftmax) {
+        float block_sum[2];
+        exact = !__all_sync(0xffffffffu, softmax.speculate(tSrS, block_sum,
+            [&](int i, float p0, float p1) { p_next[i] = pack_pair<Element>(p0, p1); }));
+        if (exact) moved = softmax.template update<false>(tSrS, alpha);
+        else softmax.commit(block_sum);
+      } else {
+        moved = softmax.template update<false>(tSrS, alpha);
+      }
       warpgroup_wait<0>();  // P V of block i - 1 done: O and P are free
       warpgroup_fence_operand(tOrO);
       warpgroup_fence_operand(tOrP);
       release(&st.v_empty[prev.stage]);
-      // Most blocks leave every row's base in place (OnlineSoftmax::slack): no rescale.
-      if (__any_sync(0xffffffffu, moved)) rescale_rows(tOrO, alpha);
-      convert_p();
+      if (exact) {
+        if (__any_sync(0xffffffffu, moved)) rescale_rows(tOrO, alpha);
+        convert_p();
+      } else {
+        CUTE_UNROLL
+        for (int k = 0; k < kPWords; ++k) tOrP32(k) = p_next[k] | p.zero;  // not a copy: see zero
+      }
       prev = v_ring();
       advance_rings();
     };

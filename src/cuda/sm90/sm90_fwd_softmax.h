@@ -23,12 +23,51 @@ struct OnlineSoftmax {
   // result is the same math: numerator and denominator share the base. Negative: the base
   // follows every new max (the textbook online softmax).
   float slack;
+  float sum_limit;  // 2^slack: no probability above it leaves the base in place
 
   __device__ __forceinline__ explicit OnlineSoftmax(float scale, float rescale_slack) {
     scale_log2 = scale * cuda_sm80::kLog2e;
     slack = rescale_slack;
+    sum_limit = exp2f(rescale_slack);
     row_max[0] = row_max[1] = -INFINITY;
     row_sum[0] = row_sum[1] = 0.f;
+  }
+
+  // A later block's probabilities against the rows' current bases, without the block's max:
+  // that reduction (64 FMNMX, two quad shuffles per row) stands between S and the
+  // exponentials, and dropping it took the unsafe probe's key loops from 517 to 427
+  // instructions and +6-10% (docs/perf-notes.md, Hopper v39). Each pair of probabilities
+  // goes to put(pair, p0, p1), pair = value / 2 as convert_p packs them; s and the statistics
+  // stay as they are. Returns whether this thread's share is what update<false> computes
+  // without moving the base: both rows have one, and every probability is at most 2^slack (the
+  // partial sums bound them; infinities and NaNs fail too). Then commit(block_sum) completes
+  // the block; otherwise the warp runs update<false> on s instead.
+  template <class Frag, class Put>
+  __device__ __forceinline__ bool speculate(const Frag& s, float (&block_sum)[2],
+                                            Put&& put) const {
+    constexpr int kCols = decltype(cute::size(s))::value / 4;
+    bool ok = true;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float base = row_max[r];
+      float sum[4] = {0.f, 0.f, 0.f, 0.f};  // update's order: the same sums to the bit
+#pragma unroll
+      for (int j = 0; j < kCols; ++j) {
+        const int v = 4 * j + 2 * r;
+        const float p0 = cuda_sm80::exp2_approx(fmaf(s(v), scale_log2, -base));
+        const float p1 = cuda_sm80::exp2_approx(fmaf(s(v + 1), scale_log2, -base));
+        sum[(j & 1) * 2] += p0;
+        sum[(j & 1) * 2 + 1] += p1;
+        put(v / 2, p0, p1);
+      }
+      block_sum[r] = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+      ok = ok && base != -INFINITY && block_sum[r] <= sum_limit;
+    }
+    return ok;
+  }
+  __device__ __forceinline__ void commit(const float (&block_sum)[2]) {
+    row_sum[0] += block_sum[0];
+    row_sum[1] += block_sum[1];
   }
 
   // Turns the logits s into unnormalised probabilities in place. alpha[r] is the factor the

@@ -115,6 +115,12 @@ struct FwdTraits {
   // D = 64 the main loop then spills ~11 values per key block and still wins on long key
   // loops (Dense64WideTraits, sm90_fwd_launch_impl.h).
   static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
+  // kSpeculativeSoftmax: each key block after a tile's first takes its exponentials against
+  // the rows' current bases and checks them afterwards (OnlineSoftmax::speculate), instead of
+  // reducing the block's max first; a warp whose check fails redoes the block exactly (v39).
+  // Two consumer warpgroups (240 registers) only: the speculated P's 32 registers made the
+  // three-warpgroup kernels' key loops spill (160 registers; 1 -> 117 local accesses at D = 64).
+  static constexpr bool kSpeculativeSoftmax = kConsumerWGs == 2;
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0);
   static_assert(!kFusedCombine || (kStreamItems && kWGPerStream == 1 && kStreams <= 2),
                 "the combining warps are warps 2 and 3 of the producer warpgroup");
