@@ -53,6 +53,21 @@ def reference_lse(q, k, idx, cnt, V, q_sizes, kv_sizes, scale):
     return lse.reshape(B, Hq, Sq)
 
 
+def assert_forward_follows_rule(out, lse, q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale,
+                                dtype):
+    """The output and LSE of a block-sparse forward against the float64 reference, the rule;
+    LSE: the reference's -inf rows (no key) exactly, the rule on the others."""
+    r64 = ref.block_sparse(q.double(), k.double(), v.double(), idx, cnt, V, q_sizes, kv_sizes,
+                           scale)
+    rlp = ref.block_sparse(q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale)
+    assert_2x("out", out.cpu(), r64, rlp, dtype)
+    l64 = reference_lse(q.double(), k.double(), idx, cnt, V, q_sizes, kv_sizes, scale)
+    llp = reference_lse(q, k, idx, cnt, V, q_sizes, kv_sizes, scale)
+    dead = torch.isneginf(l64)
+    assert torch.equal(torch.isneginf(lse.cpu()), dead)
+    assert_2x("lse", lse.cpu()[~dead], l64[~dead], llp[~dead], dtype)
+
+
 def make_case(dtype, V, B, Hq, Hkv, D, Qt, Kt, max_k, input_scale, seed):
     q = randn((B, Qt * V, Hq, D), seed, dtype, input_scale)
     k = randn((B, Kt * V, Hkv, D), seed + 1, dtype, input_scale)
@@ -158,13 +173,7 @@ def test_some_warps_redo_their_blocks(V, D):
     poison_allocator(q.numel() * 8 + (1 << 20))
     out, lse = vidattn.block_sparse_attention(q.to(DEV), k.to(DEV), v.to(DEV), idx.to(DEV),
                                               cnt.to(DEV), tile_volume=V, return_lse=True)
-    r64 = ref.block_sparse(q.double(), k.double(), v.double(), idx, cnt, V, q_sizes, kv_sizes,
-                           scale)
-    rlp = ref.block_sparse(q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale)
-    assert_2x("out", out.cpu(), r64, rlp, dtype)
-    l64 = reference_lse(q.double(), k.double(), idx, cnt, V, q_sizes, kv_sizes, scale)
-    llp = reference_lse(q, k, idx, cnt, V, q_sizes, kv_sizes, scale)
-    assert_2x("lse", lse.cpu(), l64, llp, dtype)
+    assert_forward_follows_rule(out, lse, q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale, dtype)
 
 
 def test_padding_content_is_never_read():
@@ -240,15 +249,7 @@ def test_every_key_tile_length_matches_float64_reference(dtype, D, V):
     out, lse = vidattn.block_sparse_attention(
         q.to(DEV), kvc[:, :, 0], kvc[:, :, 1], idx.to(DEV), cnt.to(DEV), tile_volume=V,
         q_block_sizes=q_sizes.to(DEV), kv_block_sizes=kv_sizes.to(DEV), return_lse=True)
-    r64 = ref.block_sparse(q.double(), k.double(), v.double(), idx, cnt, V, q_sizes, kv_sizes,
-                           scale)
-    rlp = ref.block_sparse(q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale)
-    assert_2x("out", out.cpu(), r64, rlp, dtype)
-    l64 = reference_lse(q.double(), k.double(), idx, cnt, V, q_sizes, kv_sizes, scale)
-    llp = reference_lse(q, k, idx, cnt, V, q_sizes, kv_sizes, scale)
-    dead = torch.isneginf(l64)
-    assert torch.equal(torch.isneginf(lse.cpu()), dead)
-    assert_2x("lse", lse.cpu()[~dead], l64[~dead], llp[~dead], dtype)
+    assert_forward_follows_rule(out, lse, q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale, dtype)
 
 
 def test_backward_is_bit_identical_over_50_runs():
