@@ -33,6 +33,26 @@ struct OnlineSoftmax {
     row_sum[0] = row_sum[1] = 0.f;
   }
 
+  // Row r's probabilities exp2(s * scale_log2 - base), pair by pair (values v and v + 1 of the
+  // fragment) to put(v, p0, p1), and their sum: the part update and speculate share, so that
+  // a speculated block's sums are update's to the bit (the same four chains, the same order).
+  template <class Frag, class Put>
+  __device__ __forceinline__ float exponentiate_row(const Frag& s, int r, float base,
+                                                    Put&& put) const {
+    constexpr int kCols = decltype(cute::size(s))::value / 4;  // column groups of 8 (j)
+    float sum[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int j = 0; j < kCols; ++j) {
+      const int v = 4 * j + 2 * r;
+      const float p0 = cuda_sm80::exp2_approx(fmaf(s(v), scale_log2, -base));
+      const float p1 = cuda_sm80::exp2_approx(fmaf(s(v + 1), scale_log2, -base));
+      sum[(j & 1) * 2] += p0;
+      sum[(j & 1) * 2 + 1] += p1;
+      put(v, p0, p1);
+    }
+    return (sum[0] + sum[1]) + (sum[2] + sum[3]);
+  }
+
   // A later block's probabilities against the rows' current bases, without the block's max:
   // that reduction (64 FMNMX, two quad shuffles per row) stands between S and the
   // exponentials, and dropping it took the unsafe probe's key loops from 517 to 427
@@ -45,22 +65,12 @@ struct OnlineSoftmax {
   template <class Frag, class Put>
   __device__ __forceinline__ bool speculate(const Frag& s, float (&block_sum)[2],
                                             Put&& put) const {
-    constexpr int kCols = decltype(cute::size(s))::value / 4;
     bool ok = true;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float base = row_max[r];
-      float sum[4] = {0.f, 0.f, 0.f, 0.f};  // update's order: the same sums to the bit
-#pragma unroll
-      for (int j = 0; j < kCols; ++j) {
-        const int v = 4 * j + 2 * r;
-        const float p0 = cuda_sm80::exp2_approx(fmaf(s(v), scale_log2, -base));
-        const float p1 = cuda_sm80::exp2_approx(fmaf(s(v + 1), scale_log2, -base));
-        sum[(j & 1) * 2] += p0;
-        sum[(j & 1) * 2 + 1] += p1;
-        put(v / 2, p0, p1);
-      }
-      block_sum[r] = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+      block_sum[r] = exponentiate_row(s, r, base,
+                                      [&](int v, float p0, float p1) { put(v / 2, p0, p1); });
       ok = ok && base != -INFINITY && block_sum[r] <= sum_limit;
     }
     return ok;
@@ -96,16 +106,10 @@ struct OnlineSoftmax {
       alpha[r] = (kFirst || new_max == row_max[r]) ? 1.f
                                                    : cuda_sm80::exp2_approx(row_max[r] - base);
       moved = moved || alpha[r] != 1.f;
-      float sum[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int j = 0; j < kCols; ++j)
-#pragma unroll
-        for (int c = 0; c < 2; ++c) {
-          const int v = 4 * j + 2 * r + c;
-          s(v) = cuda_sm80::exp2_approx(fmaf(s(v), scale_log2, -base));
-          sum[(j & 1) * 2 + c] += s(v);
-        }
-      const float block_sum = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+      const float block_sum = exponentiate_row(s, r, base, [&](int v, float p0, float p1) {
+        s(v) = p0;
+        s(v + 1) = p1;
+      });
       row_sum[r] = kFirst ? block_sum : row_sum[r] * alpha[r] + block_sum;
       row_max[r] = new_max;
     }
