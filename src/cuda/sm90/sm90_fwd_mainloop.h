@@ -537,27 +537,37 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       if constexpr (kMaskMode == 1) apply_mask(tSrS, tScS, visit, b, t.q0);
       if constexpr (kMaskMode == 2)
         if (b.needs_mask) apply_mask(tSrS, tScS, visit, b, t.q0);
-      // Most blocks leave every row's base in place (OnlineSoftmax::slack). kSpeculativeSoftmax:
-      // the exponentials go straight into p_next (P V of block i - 1 still reads tOrP), and
-      // only a warp whose check fails takes the block's max and redoes it in place.
+      // Most blocks leave every row's base in place (OnlineSoftmax::slack), so the exponentials
+      // are taken against the current base first and only a warp whose check fails takes the
+      // block's max and redoes the block in place. kSpeculativeSoftmax writes them to p_next
+      // while P V of block i - 1 still reads tOrP; kSpeculateAfterPV (no registers to spare)
+      // waits for that product and writes them straight into tOrP.
+      constexpr bool kSpeculate = Traits::kSpeculativeSoftmax || Traits::kSpeculateAfterPV;
+      auto finish_previous_pv = [&]() __attribute__((always_inline)) {
+        warpgroup_wait<0>();  // P V of block i - 1 done: O and P are free
+        warpgroup_fence_operand(tOrO);
+        warpgroup_fence_operand(tOrP);
+        release(&st.v_empty[prev.stage]);
+      };
+      if constexpr (Traits::kSpeculateAfterPV) finish_previous_pv();
       bool exact = true, moved = false;
-      if constexpr (Traits::kSpeculativeSoftmax) {
+      if constexpr (kSpeculate) {
         float block_sum[2];
         exact = !__all_sync(0xffffffffu, softmax.speculate(tSrS, block_sum,
-            [&](int i, float p0, float p1) { p_next[i] = pack_pair<Element>(p0, p1); }));
+            [&](int i, float p0, float p1) {
+              if constexpr (Traits::kSpeculateAfterPV) tOrP32(i) = pack_pair<Element>(p0, p1);
+              else p_next[i] = pack_pair<Element>(p0, p1);
+            }));
         if (exact) moved = softmax.template update<false>(tSrS, alpha);
         else softmax.commit(block_sum);
       } else {
         moved = softmax.template update<false>(tSrS, alpha);
       }
-      warpgroup_wait<0>();  // P V of block i - 1 done: O and P are free
-      warpgroup_fence_operand(tOrO);
-      warpgroup_fence_operand(tOrP);
-      release(&st.v_empty[prev.stage]);
+      if constexpr (!Traits::kSpeculateAfterPV) finish_previous_pv();
       if (exact) {
         if (__any_sync(0xffffffffu, moved)) rescale_rows(tOrO, alpha);
         convert_p();
-      } else {
+      } else if constexpr (Traits::kSpeculativeSoftmax) {
         CUTE_UNROLL
         for (int k = 0; k < kPWords; ++k) tOrP32(k) = p_next[k] | p.zero;  // not a copy: see zero
       }

@@ -121,6 +121,12 @@ struct FwdTraits {
   // Two consumer warpgroups (240 registers) only: the speculated P's 32 registers made the
   // three-warpgroup kernels' key loops spill (160 registers; 1 -> 117 local accesses at D = 64).
   static constexpr bool kSpeculativeSoftmax = kConsumerWGs == 2;
+  // kSpeculateAfterPV: the three-warpgroup loop kernels speculate too, but only once the
+  // previous block's P V is done, writing P straight into its operand (no 32 registers more);
+  // a warpgroup's softmax then no longer overlaps its own P V, the other two warpgroups'
+  // products fill the tensor cores meanwhile (v40: dense D = 64 +15%, D = 128 at 257-512 keys
+  // +7-16%).
+  static constexpr bool kSpeculateAfterPV = kConsumerWGs == 3 && !kOneBlock;
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0);
   static_assert(!kFusedCombine || (kStreamItems && kWGPerStream == 1 && kStreams <= 2),
                 "the combining warps are warps 2 and 3 of the producer warpgroup");
