@@ -169,15 +169,18 @@ def test_sm90_logits_growing_along_the_keys(causal, Sq, Sk, D):
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=93, check_grads=False))
 
 
-@pytest.mark.parametrize("Sq,Sk,D", [(1000, 3000, 128), (512, 24833, 128), (700, 2900, 64)])
-def test_sm90_some_warps_redo_their_blocks(Sq, Sk, D):
+@pytest.mark.parametrize("Sq,Sk,H,D", [(1000, 3000, 2, 128), (512, 24833, 2, 128),
+                                       (700, 2900, 2, 64), (384, 400, 66, 128)])
+def test_sm90_some_warps_redo_their_blocks(Sq, Sk, H, D):
     """Query rows of three magnitudes, 16 rows (one warp's share of a warpgroup) each, against
     keys whose norms grow along the sequence: the warps of large rows climb past their base's
     slack block after block and redo those blocks from their max, while the warps beside them
     keep the exponentials taken against the base they had (OnlineSoftmax::speculate). 512 x
-    24833: the CTA pairs; 1000 x 3000 and D = 64: the 128-row and 192-row persistent tiles."""
+    24833: the CTA pairs; 1000 x 3000: the 128-row persistent tile; D = 64, and 400 keys at
+    D = 128 over 66 heads (132 tiles of 192 rows, as in the short-key test above): the
+    three-warpgroup tiles, which speculate after the previous P V."""
     g = gen(311 + Sk + D)
-    B, H = 1, 2
+    B = 1
     rows = torch.arange(Sq, device=DEV)
     row_scale = torch.tensor([0.05, 1.0, 6.0], device=DEV)[rows // 16 % 3]
     q = (randn((B, Sq, H, D), torch.float32, g) * row_scale.view(1, Sq, 1, 1)).to(torch.bfloat16)
