@@ -1,12 +1,13 @@
 """SM clock and board power while a kernel runs back to back, as a benchmark's timed loop does.
 
     python3 tools/power_clocks.py [--seconds 2] [--cases dense,vsa,sparse,gemm,idle]
-                                  [--bench-timer] [--out F.txt]
+                                  [--windows 0.25,0.5] [--bench-timer] [--out F.txt]
 
 For each workload (--cases: `dense`, vidattn's dense forward and cuDNN's at Wan 480p and 32K
 tokens, D128; `vsa`, the whole VSA forward at Wan 480p; `sparse`, the 64-token block-sparse
 forward at Wan 480p and 720p, 90%, on the bench's uniform random lists, with the K / V bytes
-it moves from L2 per second; `gemm`, torch's bf16 matmul (cuBLAS) at 8192^3 and 16384^3, the
+it moves from L2 per second, and with --windows the 720p and HunyuanVideo rows again on lists
+drawn from a part of the keys (what L2 misses cost: sparse_work); `gemm`, torch's bf16 matmul (cuBLAS) at 8192^3 and 16384^3, the
 ceiling targets.md names, here at the power cap; `idle`, the board with the host asleep, the
 power that the others' energy per FLOP is counted above), after 1 s idle: run it back to back
 for --seconds, sampling NVML every 50 ms (the bench's sampler), and print the median SM clock,
@@ -97,17 +98,53 @@ def measure(work, seconds, tool):
     return lines
 
 
-def sparse_work(randn, g):
+def windowed_selection(heads, tiles, topk, window, g, local):
+    """Like random_selection, but each query tile draws its ``topk`` key tiles from a window
+    of ``window`` consecutive key tiles: the first ``window`` for every query tile (local
+    False), or the window centred on the query tile's own position (local True, the locality
+    of real video selections). Ascending int32 index [1, H, Qt, topk] and count [1, H, Qt]."""
+    scores = torch.rand((1, heads, tiles, tiles), generator=g, device="cuda")
+    key = torch.arange(tiles, device="cuda")
+    start = torch.zeros(tiles, dtype=torch.long, device="cuda")
+    if local:
+        start = (key - window // 2).clamp(0, tiles - window)
+    lo, hi = start.view(-1, 1), start.view(-1, 1) + window
+    outside = (key.view(1, -1) < lo) | (key.view(1, -1) >= hi)
+    scores = scores.masked_fill(outside.view(1, 1, tiles, tiles), -1.0)
+    index = scores.topk(topk, dim=-1).indices.sort(dim=-1).values.to(torch.int32).contiguous()
+    count = torch.full((1, heads, tiles), topk, dtype=torch.int32, device="cuda")
+    return index, count
+
+
+def sparse_work(randn, g, windows=()):
     """The 64-token block-sparse forward at Wan 480p and 720p, 90%, on uniform random
     ascending lists (the bench's selection), as (name, fn, rate) workloads. The rate adds the
     K / V bytes moved from L2 per second: 128-key blocks of two tiles, an odd list's last
-    tile loaded twice (tools/sm90_split_probe/probe.py counts them the same way)."""
+    tile loaded twice (tools/sm90_split_probe/probe.py counts them the same way).
+    ``windows``: fractions of the key tiles; for each, the 720p and HunyuanVideo (115200 x
+    24 heads) rows again with the same top-k drawn from that fraction of the keys, first the
+    same window for every query tile, then one centred on each: the same FLOPs and L2 -> SM
+    bytes over a smaller set of K / V (per head 47 MB at 720p, 59 MB at HunyuanVideo,
+    against the H200's 50 MB L2), so the difference is what L2 misses cost."""
     work = []
-    for name, seq, heads in (("480p", 39936, 12), ("720p", 92160, 40)):
+    rows = [("480p", 39936, 12, None, False), ("720p", 92160, 40, None, False)]
+    if windows:
+        rows.append(("hunyuan", 115200, 24, None, False))
+    for fraction in windows:
+        for local in (False, True):
+            rows += [("720p", 92160, 40, fraction, local), ("hunyuan", 115200, 24, fraction, local)]
+    for name, seq, heads, fraction, local in rows:
         tiles = seq // 64
         topk = topk_from_sparsity(0.9, tiles)
         q, k, v = (randn(1, seq, heads, 128) for _ in range(3))
-        index, count = random_selection(1, heads, tiles, tiles, topk, g, "cuda")
+        if fraction is None:
+            index, count = random_selection(1, heads, tiles, tiles, topk, g, "cuda")
+            label = name
+        else:
+            window = max(topk, int(fraction * tiles))
+            index, count = windowed_selection(heads, tiles, topk, window, g, local)
+            label = (f"{name}, keys from windows of {window} around each query tile" if local
+                     else f"{name}, keys from one window of {window}")
         flops = 4 * heads * seq * topk * 64 * 128
         keys = (topk + 1) // 2 * 128  # per query tile
         kv_bytes = heads * tiles * keys * 2 * (128 * 2)
@@ -116,7 +153,7 @@ def sparse_work(randn, g):
         def rate(ms, mhz, flop_rate=flop_rate, kv_bytes=kv_bytes):
             return flop_rate(ms, mhz) + f", K/V {kv_bytes / ms / 1e9:5.2f} TB/s"
 
-        work.append((f"vidattn block-sparse {name} (64-token tiles, 0.9)",
+        work.append((f"vidattn block-sparse {label} (64-token tiles, 0.9)",
                      lambda q=q, k=k, v=v, index=index, count=count:
                      vidattn.block_sparse_attention(q, k, v, index, count, tile_volume=64,
                                                     validate_index=False), rate))
@@ -128,6 +165,9 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--cases", default="dense,vsa",
                    help="comma-separated: dense, vsa, sparse, gemm, idle")
+    p.add_argument("--windows", default="",
+                   help="with sparse: comma-separated fractions of the key tiles that the "
+                        "windowed rows draw their lists from (sparse_work)")
     p.add_argument("--bench-timer", action="store_true",
                    help="then time each workload as the bench's rows are (gpu_median_ms)")
     p.add_argument("--out", default=None)
@@ -166,7 +206,10 @@ def main() -> None:
         work.append(("vidattn VSA 480p (sparsity 0.9)", lambda: vidattn.video_sparse_attention(
             tq, tk, tv, tiling=tiling, sparsity=0.9), no_rate))
     if "sparse" in cases:
-        work += sparse_work(randn, g)
+        windows = [float(f) for f in args.windows.split(",") if f]
+        if any(not 0 < f <= 1 for f in windows):
+            p.error(f"--windows: expected fractions in (0, 1], got {args.windows!r}")
+        work += sparse_work(randn, g, windows)
 
     lines = measure(work, args.seconds, "power_clocks")
     if args.bench_timer:
