@@ -76,8 +76,9 @@ def measure(work, seconds, tool):
     if sampler is None:
         sys.exit(f"{tool}: NVML (libnvidia-ml) is not available")
     width = max(len(name) for name, _, _ in work)
-    lines = [f"== {torch.cuda.get_device_name()}: back to back for {seconds} s each, "
-             "medians over the second half"]
+    l2 = getattr(torch.cuda.get_device_properties(torch.cuda.current_device()), "L2_cache_size", 0)
+    lines = [f"== {torch.cuda.get_device_name()} (L2 {l2 / 2**20:.0f} MiB): back to back for "
+             f"{seconds} s each, medians over the second half"]
     sampler.start()
     try:
         with torch.no_grad():
