@@ -5,17 +5,17 @@
 
 For each workload (--cases: `dense`, vidattn's dense forward and cuDNN's at Wan 480p and 32K
 tokens, D128; `vsa`, the whole VSA forward at Wan 480p; `sparse`, the 64-token block-sparse
-forward at Wan 480p and 720p, 90%, on the bench's uniform random lists, with the K / V bytes
-it moves from L2 per second, and with --windows the 720p and HunyuanVideo rows again on lists
-drawn from a part of the keys (what L2 misses cost: sparse_work); `gemm`, torch's bf16 matmul (cuBLAS) at 8192^3 and 16384^3, the
-ceiling targets.md names, here at the power cap; `idle`, the board with the host asleep, the
-power that the others' energy per FLOP is counted above), after 1 s idle: run it back to back
-for --seconds, sampling NVML every 50 ms (the bench's sampler), and print the median SM clock,
-power and clock-limit reasons over the second half of the window (the first half is the ramp
-to the power limit), with the median call time. --bench-timer then times each workload as the
-bench times its rows (do_bench after a 500 ms warm-up), to set the ceiling beside them. A
-long run of a kernel on an H200 sits at the board's power limit, so what it costs in energy
-per FLOP sets its clock and so its speed. Not a test; a diagnostic.
+forward at Wan 480p and 720p, 90%, on the bench's uniform random lists, with the K / V bytes it
+moves from L2 per second, and with --windows the 720p and HunyuanVideo rows again on lists drawn
+from a part of the keys (what L2 misses cost: sparse_work); `gemm`, torch's bf16 matmul (cuBLAS)
+at 8192^3 and 16384^3, the ceiling targets.md names, here at the power cap; `idle`, the board
+with the host asleep, the power that the others' energy per FLOP is counted above), after 1 s
+idle: run it back to back for --seconds, sampling NVML every 50 ms (the bench's sampler), and
+print the median SM clock, power and clock-limit reasons over the second half of the window (the
+first half is the ramp to the power limit), with the median call time. --bench-timer then times
+each workload as the bench times its rows (do_bench after a 500 ms warm-up), to set the ceiling
+beside them. A long run of a kernel on an H200 sits at the board's power limit, so what it costs
+in energy per FLOP sets its clock and so its speed. Not a test; a diagnostic.
 """
 import argparse
 import statistics
@@ -126,7 +126,7 @@ def sparse_work(randn, g, windows=()):
     24 heads) rows again with the same top-k drawn from that fraction of the keys, first the
     same window for every query tile, then one centred on each: the same FLOPs and L2 -> SM
     bytes over a smaller set of K / V (per head 47 MB at 720p, 59 MB at HunyuanVideo,
-    against the H200's 50 MB L2), so the difference is what L2 misses cost."""
+    against an L2 of ~50 MB), so the difference is what L2 misses cost."""
     work = []
     rows = [("480p", 39936, 12, None, False), ("720p", 92160, 40, None, False)]
     if windows:
@@ -207,7 +207,10 @@ def main() -> None:
         work.append(("vidattn VSA 480p (sparsity 0.9)", lambda: vidattn.video_sparse_attention(
             tq, tk, tv, tiling=tiling, sparsity=0.9), no_rate))
     if "sparse" in cases:
-        windows = [float(f) for f in args.windows.split(",") if f]
+        try:
+            windows = [float(f) for f in args.windows.split(",") if f]
+        except ValueError:
+            windows = [0.0]
         if any(not 0 < f <= 1 for f in windows):
             p.error(f"--windows: expected fractions in (0, 1], got {args.windows!r}")
         work += sparse_work(randn, g, windows)
