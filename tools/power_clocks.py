@@ -100,20 +100,14 @@ def measure(work, seconds, tool):
 
 
 def windowed_selection(heads, tiles, topk, window, g, local):
-    """Like random_selection, but each query tile draws its ``topk`` key tiles from a window
-    of ``window`` consecutive key tiles: the first ``window`` for every query tile (local
-    False), or the window centred on the query tile's own position (local True, the locality
-    of real video selections). Ascending int32 index [1, H, Qt, topk] and count [1, H, Qt]."""
-    scores = torch.rand((1, heads, tiles, tiles), generator=g, device="cuda")
-    key = torch.arange(tiles, device="cuda")
-    start = torch.zeros(tiles, dtype=torch.long, device="cuda")
+    """random_selection over a window of ``window`` consecutive key tiles: the first
+    ``window`` for every query tile (local False), or the window centred on the query tile's
+    own position (local True, the locality of real video selections). Ascending int32 index
+    [1, H, Qt, topk] and count [1, H, Qt]."""
+    index, count = random_selection(1, heads, tiles, window, topk, g, "cuda")
     if local:
-        start = (key - window // 2).clamp(0, tiles - window)
-    lo, hi = start.view(-1, 1), start.view(-1, 1) + window
-    outside = (key.view(1, -1) < lo) | (key.view(1, -1) >= hi)
-    scores = scores.masked_fill(outside.view(1, 1, tiles, tiles), -1.0)
-    index = scores.topk(topk, dim=-1).indices.sort(dim=-1).values.to(torch.int32).contiguous()
-    count = torch.full((1, heads, tiles), topk, dtype=torch.int32, device="cuda")
+        start = (torch.arange(tiles, device="cuda") - window // 2).clamp(0, tiles - window)
+        index += start.to(torch.int32).view(1, 1, tiles, 1)  # a per-row shift keeps the order
     return index, count
 
 
@@ -161,12 +155,23 @@ def sparse_work(randn, g, windows=()):
     return work
 
 
+def fractions(text):
+    """--windows: comma-separated numbers in (0, 1]."""
+    try:
+        values = [float(f) for f in text.split(",") if f]
+    except ValueError:
+        values = None
+    if values is None or any(not 0 < f <= 1 for f in values):
+        raise argparse.ArgumentTypeError(f"expected fractions in (0, 1], got {text!r}")
+    return values
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--cases", default="dense,vsa",
                    help="comma-separated: dense, vsa, sparse, gemm, idle")
-    p.add_argument("--windows", default="",
+    p.add_argument("--windows", default=[], type=fractions,
                    help="with sparse: comma-separated fractions of the key tiles that the "
                         "windowed rows draw their lists from (sparse_work)")
     p.add_argument("--bench-timer", action="store_true",
@@ -207,13 +212,7 @@ def main() -> None:
         work.append(("vidattn VSA 480p (sparsity 0.9)", lambda: vidattn.video_sparse_attention(
             tq, tk, tv, tiling=tiling, sparsity=0.9), no_rate))
     if "sparse" in cases:
-        try:
-            windows = [float(f) for f in args.windows.split(",") if f]
-        except ValueError:
-            windows = [0.0]
-        if any(not 0 < f <= 1 for f in windows):
-            p.error(f"--windows: expected fractions in (0, 1], got {args.windows!r}")
-        work += sparse_work(randn, g, windows)
+        work += sparse_work(randn, g, args.windows)
 
     lines = measure(work, args.seconds, "power_clocks")
     if args.bench_timer:
