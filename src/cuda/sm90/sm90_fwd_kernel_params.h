@@ -38,10 +38,10 @@ struct FwdKernelParams {
   std::conditional_t<Traits::kSplitTail, SplitTail, NoSplitTail> split;
   struct NoQPiece {};
   std::conditional_t<Traits::kSplitTail, typename Traits::TmaQPiece, NoQPiece> tma_q_piece;
-  // Always 0; ptxas cannot know it. Traits::kSpeculativeSoftmax moves the speculated P into
-  // the P V product's operand with `| zero`: a plain copy, ptxas forwards the speculation's
-  // own registers into the product, written while the previous product runs, and serialises
-  // every wgmma of the kernel (C7513).
+  // Always 0; ptxas cannot know it. A Traits::kSpeculativeSoftmax key loop that ends on an
+  // odd block moves its P back into the first P V operand with `| zero`: with a plain copy
+  // ptxas forwards the source registers into the product, registers written while the previous
+  // product runs, and serialises every wgmma of the kernel (C7513).
   std::uint32_t zero = 0;
 };
 

@@ -331,13 +331,35 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
   Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
   Tensor tOrP32 = recast<uint32_t>(tOrP);
-
+  // kAltP (the speculating two-warpgroup kernels): a second P operand. Key blocks alternate
+  // between the two, so that a block's speculated P is written straight into the operand its
+  // P V product reads while the previous block's product still reads the other one (v41: no
+  // 32-word copy per block). The key loops run in pairs of blocks so that each step's
+  // operands are fixed registers; a loop that ends on an odd block moves P back once.
+  constexpr bool kAltP = Traits::kSpeculativeSoftmax;
+  Tensor tOrPAlt = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kAltP ? BN / 16 : 1>>>{});
+  Tensor tOrPAlt32 = recast<uint32_t>(tOrPAlt);
+  // The P operand of parity kAlt: the second one only where there are two.
+  auto pick = [&](auto kAlt) -> auto& {
+    if constexpr (kAltP && decltype(kAlt)::value) return tOrPAlt;
+    else return tOrP;
+  };
+  auto pick32 = [&](auto kAlt) -> auto& {
+    if constexpr (kAltP && decltype(kAlt)::value) return tOrPAlt32;
+    else return tOrP32;
+  };
   constexpr int kPWords = decltype(size(tOrP32))::value;
-  uint32_t p_next[Traits::kSpeculativeSoftmax ? kPWords : 1];  // the next block's P, speculated
-  auto convert_p = [&]() {
+  auto convert_p = [&](auto& p32) {
     CUTE_UNROLL
-    for (int i = 0; i < decltype(size(tOrP32))::value; ++i)
-      tOrP32(i) = pack_pair<Element>(tSrS(2 * i), tSrS(2 * i + 1));
+    for (int i = 0; i < kPWords; ++i) p32(i) = pack_pair<Element>(tSrS(2 * i), tSrS(2 * i + 1));
+  };
+  // The second operand's P into the first (a loop that ended on an odd block). `| zero`: a
+  // plain copy lets ptxas forward the source registers into the next product (see zero).
+  auto move_alt_p = [&]() {
+    if constexpr (kAltP) {
+      CUTE_UNROLL
+      for (int k = 0; k < kPWords; ++k) tOrP32(k) = tOrPAlt32(k) | p.zero;
+    }
   };
 
   const PingPong turns(p.pingpong, wg, Traits::kWGPerStream, stream);
@@ -474,7 +496,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
             const bool moved = softmax.template update<false>(tSrS, alpha);
             if (__any_sync(0xffffffffu, moved)) rescale_rows(tOrO, alpha);
           }
-          convert_p();
+          convert_p(tOrP32);
           Barrier::wait(&st.v_full[vs.stage], vs.phase);
           if constexpr (Traits::kOneBlock) clear(tOrO);  // see the tile's last P V below
           warpgroup_fence_operand(tOrP);
@@ -512,23 +534,26 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     if (n == 1) Barrier::arrive(&st.q_empty);
     if (kb.needs_mask) apply_mask(tSrS, tScS, visit, kb, t.q0);
     softmax.template update<true>(tSrS, alpha);
-    convert_p();
+    convert_p(tOrP32);
     RingState<Traits::kStagesV> prev = v_ring();  // V of the block whose P V is next
     advance_rings();
 
     // Block i: its S and the P V product of block i - 1 are issued together; the softmax of
     // block i runs while that P V product does. kMask: 0 never masks (no mask code in the
     // loop that runs most blocks: fewer live registers), 1 always, 2 as the block says.
-    auto step = [&](int i, auto kMask) __attribute__((always_inline)) {
+    // kAlt: block i - 1's P is in operand kAlt, block i's goes to the other (kAltP).
+    auto step = [&](int i, auto kMask, auto kAlt) __attribute__((always_inline)) {
       constexpr int kMaskMode = decltype(kMask)::value;
+      auto& p_cur = pick(kAlt);
+      auto& p_next32 = pick32(cute::Int<!decltype(kAlt)::value>{});
       Barrier::wait(&st.k_full[ring.stage], ring.phase);
       KeyBlock b;
       if constexpr (kMaskMode != 0) b = landed_block(i, ring.stage);
       Barrier::wait(&st.v_full[prev.stage], prev.phase);
       turns.wait_turn();
       warpgroup_gemm(mma_qk, tSrQ, k_slot(ring.stage), tSrS, true);
-      warpgroup_fence_operand(tOrP);
-      warpgroup_gemm(mma_pv, tOrP, v_slot(prev.stage), tOrO, i == 1);
+      warpgroup_fence_operand(p_cur);
+      warpgroup_gemm(mma_pv, p_cur, v_slot(prev.stage), tOrO, i == 1);
       turns.pass_turn();
       warpgroup_wait<1>();  // S of block i is ready; P V of block i - 1 still runs
       warpgroup_fence_operand(tSrS);
@@ -539,14 +564,14 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
         if (b.needs_mask) apply_mask(tSrS, tScS, visit, b, t.q0);
       // Most blocks leave every row's base in place (OnlineSoftmax::slack), so the exponentials
       // are taken against the current base first and only a warp whose check fails takes the
-      // block's max and redoes the block in place. kSpeculativeSoftmax writes them to p_next
-      // while P V of block i - 1 still reads tOrP; kSpeculateAfterPV (no registers to spare)
-      // waits for that product and writes them straight into tOrP.
+      // block's max and redoes the block in place. kSpeculativeSoftmax writes them to the other
+      // P operand while P V of block i - 1 still reads this one; kSpeculateAfterPV (one
+      // operand, no registers to spare) waits for that product and writes them into it.
       constexpr bool kSpeculate = Traits::kSpeculativeSoftmax || Traits::kSpeculateAfterPV;
       auto finish_previous_pv = [&]() __attribute__((always_inline)) {
         warpgroup_wait<0>();  // P V of block i - 1 done: O and P are free
         warpgroup_fence_operand(tOrO);
-        warpgroup_fence_operand(tOrP);
+        warpgroup_fence_operand(p_cur);
         release(&st.v_empty[prev.stage]);
       };
       if constexpr (Traits::kSpeculateAfterPV) finish_previous_pv();
@@ -554,10 +579,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       if constexpr (kSpeculate) {
         float block_sum[2];
         exact = !__all_sync(0xffffffffu, softmax.speculate(tSrS, block_sum,
-            [&](int i, float p0, float p1) {
-              if constexpr (Traits::kSpeculateAfterPV) tOrP32(i) = pack_pair<Element>(p0, p1);
-              else p_next[i] = pack_pair<Element>(p0, p1);
-            }));
+            [&](int i, float p0, float p1) { p_next32(i) = pack_pair<Element>(p0, p1); }));
         if (exact) moved = softmax.template update<false>(tSrS, alpha);
         else softmax.commit(block_sum);
       } else {
@@ -566,20 +588,33 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       if constexpr (!Traits::kSpeculateAfterPV) finish_previous_pv();
       if (exact) {
         if (__any_sync(0xffffffffu, moved)) rescale_rows(tOrO, alpha);
-        convert_p();
-      } else if constexpr (Traits::kSpeculativeSoftmax) {
-        CUTE_UNROLL
-        for (int k = 0; k < kPWords; ++k) tOrP32(k) = p_next[k] | p.zero;  // not a copy: see zero
+        convert_p(p_next32);
       }
       prev = v_ring();
       advance_rings();
+    };
+    // Blocks [i, end), leaving the last one's P in the first operand.
+    auto run_steps = [&](int& i, int end, auto kMask) __attribute__((always_inline)) {
+      if constexpr (kAltP) {
+        for (; i + 1 < end; i += 2) {
+          step(i, kMask, cute::Int<0>{});
+          step(i + 1, kMask, cute::Int<1>{});
+        }
+        if (i < end) {
+          step(i, kMask, cute::Int<0>{});
+          move_alt_p();
+          ++i;
+        }
+      } else {
+        for (; i < end; ++i) step(i, kMask, cute::Int<0>{});
+      }
     };
     if constexpr (Traits::kOneBlock) {
       // n == 1 (the dispatch's key limit): block 0 was the whole loop.
     } else if constexpr (Visit::kMaskedSuffix) {
       const int unmasked_end = control(min(visit.first_masked_block(), n));
       int i = 1;
-      for (; i < unmasked_end; ++i) step(i, cute::Int<0>{});
+      run_steps(i, unmasked_end, cute::Int<0>{});
       // The tile's description (sequence, policy, row limit: ~25 registers of 64-bit values)
       // is read again from the producer's record here instead of being kept through the
       // unmasked loop, where three consumer warpgroups (160 registers each) spill (less so
@@ -587,9 +622,10 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       t = st.tile[record];
       visit = Visit(p.attn, p.sparse, t.seq, t.head, t.q0, BM);
       row_limit = query_row_limit();
-      for (; i < n; ++i) step(i, cute::Int<1>{});
+      run_steps(i, n, cute::Int<1>{});
     } else {
-      for (int i = 1; i < n; ++i) step(i, cute::Int<2>{});
+      int i = 1;
+      run_steps(i, n, cute::Int<2>{});
     }
     Barrier::wait(&st.v_full[prev.stage], prev.phase);
     // kOneBlock: O defined here, so that the product's operand fence does not keep the last
