@@ -153,6 +153,22 @@ def test_sm90_key_lengths_across_a_block_boundary(causal, D, Sk):
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
+# D = 128 past the short-key kernel's 512 keys: the two-warpgroup tiles, whose key loops run
+# blocks in pairs over two P operands and move P back after a loop with an odd number of
+# steps (v41). Blocks after the first: 640 keys 4 unmasked; 700, 4 + 1 masked; 768, 5; 896, 6;
+# 1000, 6 + 1; 1024, 7; so each loop ends on either parity.
+@pytest.mark.parametrize("Sk", [640, 700, 768, 896, 1000, 1024])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sm90_key_loops_of_either_parity(Sk, dtype):
+    seed = zlib.crc32(repr(("loop parity", Sk, str(dtype))).encode())
+    g = gen(seed)
+    B, Sq, Hq, Hkv, D = 1, 300, 4, 2, 128
+    q = randn((B, Sq, Hq, D), dtype, g, 4.0)
+    k = randn((B, Sk, Hkv, D), dtype, g, 4.0)
+    v = randn((B, Sk, Hkv, D), dtype, g)
+    takes_sm90(lambda: run_and_check(q, k, v, seed=seed, check_grads=False))
+
+
 @pytest.mark.parametrize("Sq,Sk,D", [(3000, 3000, 128), (600, 8300, 64)])
 @pytest.mark.parametrize("causal", [False, True])
 def test_sm90_logits_growing_along_the_keys(causal, Sq, Sk, D):
