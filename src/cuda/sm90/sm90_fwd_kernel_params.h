@@ -38,8 +38,8 @@ struct FwdKernelParams {
   std::conditional_t<Traits::kSplitTail, SplitTail, NoSplitTail> split;
   struct NoQPiece {};
   std::conditional_t<Traits::kSplitTail, typename Traits::TmaQPiece, NoQPiece> tma_q_piece;
-  // Always 0; ptxas cannot know it. A Traits::kSpeculativeSoftmax key loop that ends on an
-  // odd block moves its P back into the first P V operand with `| zero`: with a plain copy
+  // Always 0; ptxas cannot know it. A Traits::kSpeculativeSoftmax key loop of an odd number
+  // of steps moves its P back into the first P V operand with `| zero`: with a plain copy
   // ptxas forwards the source registers into the product, registers written while the previous
   // product runs, and serialises every wgmma of the kernel (C7513).
   std::uint32_t zero = 0;

@@ -335,9 +335,10 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   // between the two, so that a block's speculated P is written straight into the operand its
   // P V product reads while the previous block's product still reads the other one (v41: no
   // 32-word copy per block). The key loops run in pairs of blocks so that each step's
-  // operands are fixed registers; a loop that ends on an odd block moves P back once.
+  // operands are fixed registers; a loop of an odd number of steps moves P back once.
   constexpr bool kAltP = Traits::kSpeculativeSoftmax;
-  Tensor tOrPAlt = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kAltP ? BN / 16 : 1>>>{});
+  Tensor tOrPAlt =
+      make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kAltP ? BN / 16 : 1>>>{});
   Tensor tOrPAlt32 = recast<uint32_t>(tOrPAlt);
   // The P operand of parity kAlt: the second one only where there are two.
   auto pick = [&](auto kAlt) -> auto& {
@@ -353,7 +354,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     CUTE_UNROLL
     for (int i = 0; i < kPWords; ++i) p32(i) = pack_pair<Element>(tSrS(2 * i), tSrS(2 * i + 1));
   };
-  // The second operand's P into the first (a loop that ended on an odd block). `| zero`: a
+  // The second operand's P into the first (after a loop of an odd number of steps). `| zero`: a
   // plain copy lets ptxas forward the source registers into the next product (see zero).
   auto move_alt_p = [&]() {
     if constexpr (kAltP) {
