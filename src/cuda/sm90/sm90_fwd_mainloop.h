@@ -82,6 +82,14 @@ __device__ __forceinline__ StreamTile tile_of_slot(const FwdKernelParams<Traits>
   else return stream_tile<Traits>(p, slot, stream);
 }
 
+// `second` where kSecond, else `first`: a compile-time choice between two register operands
+// (kept as fixed registers, which a runtime index would not be).
+template <bool kSecond, class First, class Second>
+__device__ __forceinline__ auto& pick_operand(First& first, Second& second) {
+  if constexpr (kSecond) return second;
+  else return first;
+}
+
 // x as lane 0 holds it: the compiler then treats it as the same across the warp (shared-
 // memory descriptors built from it stay in uniform registers).
 __device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
@@ -340,15 +348,6 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   Tensor tOrPAlt =
       make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kAltP ? BN / 16 : 1>>>{});
   Tensor tOrPAlt32 = recast<uint32_t>(tOrPAlt);
-  // The P operand of parity kAlt: the second one only where there are two.
-  auto pick = [&](auto kAlt) -> auto& {
-    if constexpr (kAltP && decltype(kAlt)::value) return tOrPAlt;
-    else return tOrP;
-  };
-  auto pick32 = [&](auto kAlt) -> auto& {
-    if constexpr (kAltP && decltype(kAlt)::value) return tOrPAlt32;
-    else return tOrP32;
-  };
   constexpr int kPWords = decltype(size(tOrP32))::value;
   auto convert_p = [&](auto& p32) {
     CUTE_UNROLL
@@ -545,8 +544,10 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     // kAlt: block i - 1's P is in operand kAlt, block i's goes to the other (kAltP).
     auto step = [&](int i, auto kMask, auto kAlt) __attribute__((always_inline)) {
       constexpr int kMaskMode = decltype(kMask)::value;
-      auto& p_cur = pick(kAlt);
-      auto& p_next32 = pick32(cute::Int<!decltype(kAlt)::value>{});
+      constexpr bool kCurIsAlt = kAltP && decltype(kAlt)::value;
+      constexpr bool kNextIsAlt = kAltP && !decltype(kAlt)::value;
+      auto& p_cur = pick_operand<kCurIsAlt>(tOrP, tOrPAlt);
+      auto& p_next32 = pick_operand<kNextIsAlt>(tOrP32, tOrPAlt32);
       Barrier::wait(&st.k_full[ring.stage], ring.phase);
       KeyBlock b;
       if constexpr (kMaskMode != 0) b = landed_block(i, ring.stage);
