@@ -334,7 +334,8 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<BM>, Int<BN>>{});
   Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<BM>, Int<D>>{});
   // P as the A operand of the RS product: value order of the accumulator, k-blocks of 16.
-  Tensor tOrP = make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<BN / 16>>>{});
+  using PLayout = Layout<Shape<Shape<_2, _2, _2>, _1, Int<BN / 16>>>;
+  Tensor tOrP = make_tensor<Element>(PLayout{});
   static_assert(decltype(size(tSrS))::value == decltype(size(tOrP))::value);
   Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
   Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
@@ -345,8 +346,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   // 32-word copy per block). The key loops run in pairs of blocks so that each step's
   // operands are fixed registers; a loop of an odd number of steps moves P back once.
   constexpr bool kAltP = Traits::kSpeculativeSoftmax;
-  Tensor tOrPAlt =
-      make_tensor<Element>(Layout<Shape<Shape<_2, _2, _2>, _1, Int<kAltP ? BN / 16 : 1>>>{});
+  Tensor tOrPAlt = make_tensor<Element>(PLayout{});  // never read where !kAltP (dead code)
   Tensor tOrPAlt32 = recast<uint32_t>(tOrPAlt);
   constexpr int kPWords = decltype(size(tOrP32))::value;
   auto convert_p = [&](auto& p32) {
