@@ -135,6 +135,18 @@ inline bool tma_store_o_enabled() {
   return on;
 }
 
+// VIDATTN_SM90_WALK_SPREAD=<n> (read once; for measuring): the stream items' walks start
+// spread over 1 / n of their lists (StreamItems::first_block); 0: all at their first block.
+// The default, 1, was best at Wan 720p and HunyuanVideo by 3-9% (docs/perf-notes.md,
+// "The 64-token kernel's walk, list length and L2 reuse").
+inline int walk_spread() {
+  static const int spread = [] {
+    const char* v = std::getenv("VIDATTN_SM90_WALK_SPREAD");
+    return v != nullptr ? std::max(0, std::atoi(v)) : 1;
+  }();
+  return spread;
+}
+
 // The dense grid (the block-sparse kernels take stream items on a persistent grid instead):
 // one CTA per tile for long key sequences, a persistent grid of (SMs - sm_margin) CTAs for
 // short ones and when the caller leaves SMs free.
@@ -403,6 +415,7 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
         static_cast<int>((a.seqlen_q + Traits::kBlockMStream - 1) / Traits::kBlockMStream),
         a.heads_q, a.batch);
     p.items.device_streams = Traits::kStreams * sms;
+    p.items.walk_spread = walk_spread();
     p.items.counter = counter.as<int>();
     cuda_sm80::check_cuda(cudaMemsetAsync(p.items.counter, 0, sizeof(int), stream),
                           "cudaMemsetAsync (sm90 tile counter)");

@@ -130,6 +130,9 @@ struct StreamItems {
   int* counter = nullptr;  // zeroed before the launch
   // Streams per CTA x the device's SMs, counting those sm_margin leaves idle.
   int device_streams = 1;
+  // Measuring switch (VIDATTN_SM90_WALK_SPREAD, sm90_fwd_launch_impl.h): the starts spread over
+  // 1 / walk_spread of each list; 0 starts every walk at its first block.
+  int walk_spread = 1;
 
   __host__ __device__ int total() const { return num_q_blocks * heads * batch; }
   __host__ void set_shape(int q_blocks, int heads_, int batch_) {
@@ -137,16 +140,21 @@ struct StreamItems {
     by_q_blocks = cutlass::FastDivmod(std::max(q_blocks, 1));
     by_heads = cutlass::FastDivmod(std::max(heads_, 1));
   }
-  // Where item `item` starts its walk over its n key blocks. Items start in order, one per
-  // stream as streams free up, so item j starts ~j / device_streams of an item's time after
-  // item 0. Starting it (j mod device_streams) / device_streams of the way along its list
-  // puts every stream in flight at about the same place of its own list at any moment:
-  // the lists are ascending, so the streams read the same few key tiles of a head at once
-  // and share them in L2, instead of spreading over the whole head's K and V (47 MB at Wan
-  // 720p, about L2's size). A function of the item and the device only, so results do not
-  // depend on the schedule or on sm_margin (test_sm_margin_leaves_the_result_bit_identical).
+  // Where item `item` starts its walk over its n key blocks: (j mod device_streams) /
+  // device_streams of the way along its list. The idea was that items start ~1 / device_streams
+  // of an item's time apart, which would put every stream in flight at the same place of its
+  // ascending list, reading the same key tiles at once (v19: +3% at Wan 720p). But the first
+  // streams start together and lists of equal length do not stagger them, so the starts more
+  // likely spread the streams in flight over a head's key tiles (not observed directly).
+  // Either way this measured best: all walks from block 0 ran 3-9% slower at 720p and
+  // HunyuanVideo, starts spread over a quarter of each list 2-5% slower (docs/perf-notes.md,
+  // "The 64-token kernel's walk, list length and L2 reuse"). A function of the item and the
+  // device only, so results do not depend on the schedule or on sm_margin
+  // (test_sm_margin_leaves_the_result_bit_identical).
   __device__ __forceinline__ int first_block(int item, int n) const {
-    return static_cast<int>(static_cast<long long>(item % device_streams) * n / device_streams);
+    if (walk_spread == 0) return 0;
+    return static_cast<int>(static_cast<long long>(item % device_streams) * n /
+                            (static_cast<long long>(device_streams) * walk_spread));
   }
   __host__ __device__ __forceinline__ TileCoord decode(int item) const {
     TileCoord c;
