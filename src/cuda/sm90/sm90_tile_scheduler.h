@@ -146,8 +146,8 @@ struct StreamItems {
   // ascending list, reading the same key tiles at once (v19: +3% at Wan 720p). But the first
   // streams start together and lists of equal length do not stagger them, so the starts more
   // likely spread the streams in flight over a head's key tiles (not observed directly).
-  // Either way this measured best: all walks from block 0 ran 3-9% slower at 720p and
-  // HunyuanVideo, starts spread over a quarter of each list 2-5% slower (docs/perf-notes.md,
+  // Either way this measured best: all walks from block 0 ran 7-9% slower at 720p and
+  // HunyuanVideo, starts spread over a quarter of each list 5-6% slower (docs/perf-notes.md,
   // "The 64-token kernel's walk, list length and L2 reuse"). A function of the item and the
   // device only, so results do not depend on the schedule or on sm_margin
   // (test_sm_margin_leaves_the_result_bit_identical).
