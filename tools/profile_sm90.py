@@ -8,7 +8,9 @@ uniform random selection as in the benchmark). Not a test and not a benchmark: i
 the kernels once each (after a warm-up) so the profiler sees a steady state.
 `--dense B,S,H,D` changes the dense shape (e.g. 2,16384,32,64; S may be Sq:Sk, e.g.
 1,32760:512,12,128 for Wan 480p's text cross attention); `--dense-only` skips the block-sparse
-launch."""
+launch, `--sparse-only` the dense one; `--sparse-window F` adds a block-sparse launch whose
+lists are drawn from the first F of the key tiles (the same work over less K / V: what L2
+reuse is worth, docs/perf-notes.md)."""
 import argparse
 
 import torch
@@ -20,6 +22,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dense", default="1,32768,12,128", help="B,S,H,D of the dense launch")
     ap.add_argument("--dense-only", action="store_true")
+    ap.add_argument("--sparse-only", action="store_true")
+    ap.add_argument("--sparse-window", type=float, default=None)
     args = ap.parse_args()
     b, s, h, d = args.dense.split(",")
     B, H, D = int(b), int(h), int(d)
@@ -35,13 +39,22 @@ def main() -> None:
     scores = torch.rand(1, 12, tiles, tiles, generator=g, device="cuda")
     idx = scores.topk(topk, dim=-1).indices.sort(-1).values.to(torch.int32).contiguous()
     cnt = torch.full((1, 12, tiles), topk, dtype=torch.int32, device="cuda")
+    windowed = None
+    if args.sparse_window is not None:
+        window = max(topk, int(args.sparse_window * tiles))
+        scores = torch.rand(1, 12, tiles, window, generator=g, device="cuda")
+        windowed = scores.topk(topk, dim=-1).indices.sort(-1).values.to(torch.int32).contiguous()
     ops = torch.ops.vidattn
 
     def run():
-        vidattn.attention(q, k, v)
+        if not args.sparse_only:
+            vidattn.attention(q, k, v)
         if not args.dense_only:
             ops.block_sparse_attention(qs, ks, vs, idx, cnt, tile_volume=64,
                                        validate_index=False)
+            if windowed is not None:
+                ops.block_sparse_attention(qs, ks, vs, windowed, cnt, tile_volume=64,
+                                           validate_index=False)
 
     for _ in range(3):
         run()
