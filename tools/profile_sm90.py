@@ -8,7 +8,8 @@ uniform random selection as in the benchmark). Not a test and not a benchmark: i
 the kernels once each (after a warm-up) so the profiler sees a steady state.
 `--dense B,S,H,D` changes the dense shape (e.g. 2,16384,32,64; S may be Sq:Sk, e.g.
 1,32760:512,12,128 for Wan 480p's text cross attention); `--dense-only` skips the block-sparse
-launch, `--sparse-only` the dense one; `--sparse-window F` adds a block-sparse launch whose
+launch, `--sparse-only` the dense one, `--sparse-shape tokens,heads` sets the block-sparse
+shape (e.g. 92160,40 for Wan 720p); `--sparse-window F` adds a block-sparse launch whose
 lists are drawn from the first F of the key tiles (the same work over less K / V: what L2
 reuse is worth, docs/perf-notes.md)."""
 import argparse
@@ -24,6 +25,8 @@ def main() -> None:
     ap.add_argument("--dense-only", action="store_true")
     ap.add_argument("--sparse-only", action="store_true")
     ap.add_argument("--sparse-window", type=float, default=None)
+    ap.add_argument("--sparse-shape", default="39936,12",
+                    help="tokens,heads of the block-sparse launches (64-token tiles, 90%%)")
     args = ap.parse_args()
     b, s, h, d = args.dense.split(",")
     B, H, D = int(b), int(h), int(d)
@@ -34,15 +37,17 @@ def main() -> None:
         return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
 
     q, k, v = randn(B, S, H, D), randn(B, Sk, H, D), randn(B, Sk, H, D)
-    tiles, topk = 624, 63
-    qs, ks, vs = (randn(1, tiles * 64, 12, 128) for _ in range(3))
-    scores = torch.rand(1, 12, tiles, tiles, generator=g, device="cuda")
+    tokens, heads = (int(x) for x in args.sparse_shape.split(","))
+    tiles = tokens // 64
+    topk = tiles - int(0.9 * tiles)  # 90% sparse: 63 of Wan 480p's 624 tiles
+    qs, ks, vs = (randn(1, tiles * 64, heads, 128) for _ in range(3))
+    scores = torch.rand(1, heads, tiles, tiles, generator=g, device="cuda")
     idx = scores.topk(topk, dim=-1).indices.sort(-1).values.to(torch.int32).contiguous()
-    cnt = torch.full((1, 12, tiles), topk, dtype=torch.int32, device="cuda")
+    cnt = torch.full((1, heads, tiles), topk, dtype=torch.int32, device="cuda")
     windowed = None
     if args.sparse_window is not None:
         window = max(topk, int(args.sparse_window * tiles))
-        scores = torch.rand(1, 12, tiles, window, generator=g, device="cuda")
+        scores = torch.rand(1, heads, tiles, window, generator=g, device="cuda")
         windowed = scores.topk(topk, dim=-1).indices.sort(-1).values.to(torch.int32).contiguous()
     ops = torch.ops.vidattn
 
