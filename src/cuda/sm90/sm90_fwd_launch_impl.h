@@ -137,7 +137,7 @@ inline bool tma_store_o_enabled() {
 
 // VIDATTN_SM90_WALK_SPREAD=<n> (read once; for measuring): the stream items' walks start
 // spread over 1 / n of their lists (StreamItems::first_block); 0: all at their first block.
-// The default, 1, was best at Wan 720p and HunyuanVideo by 5-9% (docs/perf-notes.md,
+// The default, 1, was best at Wan 720p and HunyuanVideo by 2-9% (docs/perf-notes.md,
 // "The 64-token kernel's walk, list length and L2 reuse").
 inline int walk_spread() {
   static const int spread = [] {

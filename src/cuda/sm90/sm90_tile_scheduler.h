@@ -146,8 +146,8 @@ struct StreamItems {
   // device_streams of the way along its list then puts every stream in flight at about the
   // same place of its own ascending list at any moment, so the streams read the same key
   // tiles of a head at once and share them in L2 (Wan 720p, ncu: L2 hit rate 89% against 70%
-  // with every walk from block 0; 5-9% faster than spreading the starts over 1 / 2-1 / 8 of
-  // the lists or not at all: docs/perf-notes.md, "The 64-token kernel's walk, list length and
+  // with every walk from block 0; 7-9% faster than that and 2-3% faster than starts spread
+  // over half of each list: docs/perf-notes.md, "The 64-token kernel's walk, list length and
   // L2 reuse"). A function of the item and the device only, so results do not depend on the
   // schedule or on sm_margin (test_sm_margin_leaves_the_result_bit_identical).
   __device__ __forceinline__ int first_block(int item, int n) const {
