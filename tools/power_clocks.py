@@ -68,10 +68,11 @@ def no_rate(ms, mhz):
     return ""
 
 
-def measure(work, seconds, tool):
+def measure(work, seconds, tool, medians=None):
     """Runs each (name, fn, rate) of `work` back to back for `seconds` (`sampled`) and returns
     the report's lines: median call time, SM clock, board power, `rate(ms, mhz)` and the
-    clock-limit reasons of each. Exits when NVML is not there (`tool` names the script)."""
+    clock-limit reasons of each. `medians`, a list, also gets each workload's (ms, MHz or None)
+    in order. Exits when NVML is not there (`tool` names the script)."""
     sampler = ClockSampler.for_device(torch.device("cuda", torch.cuda.current_device()))
     if sampler is None:
         sys.exit(f"{tool}: NVML (libnvidia-ml) is not available")
@@ -86,6 +87,8 @@ def measure(work, seconds, tool):
                 fn()
                 torch.cuda.synchronize()
                 ms, seen = sampled(fn, seconds, sampler)
+                if medians is not None:
+                    medians.append((ms, None if seen is None else seen["sm_mhz_median"]))
                 if seen is None:
                     lines.append(f"  {name:{width}s} {ms:8.3f} ms  {rate(ms, None)}  "
                                  "(no clock samples)")

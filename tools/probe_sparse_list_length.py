@@ -21,7 +21,7 @@ import vidattn
 from vidattn.bench.blocksparse_case import random_selection
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from power_clocks import measure, windowed_selection  # noqa: E402
+from power_clocks import measure, tflop_rate, windowed_selection  # noqa: E402
 from report_text import emit  # noqa: E402
 
 
@@ -44,42 +44,36 @@ def main() -> None:
     q, k, v = (torch.randn(1, seq, heads, 128, generator=g, device="cuda",
                            dtype=torch.bfloat16) for _ in range(3))
     topks = [int(t) for t in args.topk.split(",")]
-    work, flops_of = [], {}
-    for topk in topks:
-        index, count = random_selection(1, heads, tiles, tiles, topk, g, "cuda")
-        flops_of[topk] = 4 * heads * seq * topk * 64 * 128
-        work.append((f"480p k={topk}", lambda index=index, count=count:
-                     vidattn.block_sparse_attention(q, k, v, index, count, tile_volume=64,
-                                                    validate_index=False),
-                     lambda ms, mhz, f=flops_of[topk]: f"{f / ms / 1e9:7.1f} TFLOP/s"))
+
+    def run(index, count):
+        return lambda: vidattn.block_sparse_attention(q, k, v, index, count, tile_volume=64,
+                                                      validate_index=False)
+
+    def rate(topk):
+        return tflop_rate(4 * heads * seq * topk * 64 * 128)
+
+    work = [(f"480p k={topk}", run(*random_selection(1, heads, tiles, tiles, topk, g, "cuda")),
+             rate(topk)) for topk in topks]
     for local in (False, True):
-        index, count = windowed_selection(heads, tiles, 62, tiles // 4, g, local)
         name = ("480p k=62, windows of 156 around each" if local
                 else "480p k=62, one window of 156")
-        work.append((name, lambda index=index, count=count:
-                     vidattn.block_sparse_attention(q, k, v, index, count, tile_volume=64,
-                                                    validate_index=False),
-                     lambda ms, mhz, f=4 * heads * seq * 62 * 64 * 128:
-                     f"{f / ms / 1e9:7.1f} TFLOP/s"))
-    lines = measure(work, args.seconds, "probe_sparse_list_length")
-    # Parse back the medians measure printed (ms, MHz) for the k rows.
-    xs, ms_list, cyc = [], [], []
-    for topk, line in zip(topks, lines[1:]):
-        parts = line.split()
-        ms = float(parts[parts.index("ms") - 1])
-        mhz = float(parts[parts.index("MHz") - 1]) if "MHz" in parts else None
-        xs.append(topk)
-        ms_list.append(ms)
-        cyc.append(ms * mhz if mhz else None)
-    items_per_stream = heads * tiles / (132 * 2)
-    a, b = fit_line(xs, ms_list)
+        work.append((name, run(*windowed_selection(heads, tiles, 62, tiles // 4, g, local)),
+                     rate(62)))
+    medians = []
+    lines = measure(work, args.seconds, "probe_sparse_list_length", medians)
+    ms_list = [ms for ms, _ in medians[:len(topks)]]
+    cyc = [ms * mhz if mhz else None for ms, mhz in medians[:len(topks)]]
+    device = torch.cuda.get_device_properties(torch.cuda.current_device())
+    streams = 2 * device.multi_processor_count  # the kernel's streams: two per SM
+    items_per_stream = heads * tiles / streams
+    a, b = fit_line(topks, ms_list)
     lines.append(f"== fit of call time over k: {a:.4f} ms + {b * 1e3:.3f} us x k; per query tile "
                  f"{a / items_per_stream * 1e3:.2f} us + {b / items_per_stream * 1e6:.1f} ns "
                  f"x k; a / b = {a / b:.1f} key tiles")
     if all(c is not None for c in cyc):
-        a2, b2 = fit_line(xs, cyc)
+        a2, b2 = fit_line(topks, cyc)
         lines.append(f"== fit of SM cycles (ms x MHz) over k: a / b = {a2 / b2:.1f} key tiles")
-    for x, y in zip(xs, ms_list):
+    for x, y in zip(topks, ms_list):
         lines.append(f"   k={x:4d}: {y:.4f} ms measured, {a + b * x:.4f} fitted")
     emit(lines, args.out)
 

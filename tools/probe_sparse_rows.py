@@ -11,29 +11,28 @@ import os
 import torch
 
 import vidattn
-from vidattn.bench.blocksparse_case import random_selection
+from vidattn.bench.blocksparse_case import blocksparse_case, random_selection, topk_of
+from vidattn.bench.shapes import PRESETS
 from vidattn.bench.timing import gpu_median_ms
-from vidattn.vsa import topk_from_sparsity
-
-ROWS = [  # (name, tokens, heads, sparsity): the gpu-suite's block-sparse rows
-    ("480p", 39936, 12, 0.875), ("480p", 39936, 12, 0.9), ("720p", 92160, 40, 0.875),
-    ("720p", 92160, 40, 0.9), ("hunyuan", 115200, 24, 0.9), ("32K", 32768, 12, 0.875)]
 
 
 def main() -> None:
     label = os.environ.get("PROBE_LABEL", "default")
     g = torch.Generator(device="cuda").manual_seed(0)
-    for name, seq, heads, sparsity in ROWS:
-        tiles = seq // 64
-        topk = topk_from_sparsity(sparsity, tiles)
-        q, k, v = (torch.randn(1, seq, heads, 128, generator=g, device="cuda",
-                               dtype=torch.bfloat16) for _ in range(3))
-        index, count = random_selection(1, heads, tiles, tiles, topk, g, "cuda")
+    case = blocksparse_case(torch.device("cuda"))
+    for shape in PRESETS["gpu-suite"].shapes:
+        if shape.kind != "blocksparse":
+            continue
+        tiles = shape.q_len // 64
+        q, k, v = (torch.randn(shape.batch, shape.q_len, shape.heads, shape.head_dim,
+                               generator=g, device="cuda", dtype=torch.bfloat16)
+                   for _ in range(3))
+        index, count = random_selection(shape.batch, shape.heads, tiles, tiles, topk_of(shape),
+                                        g, "cuda")
         ms = gpu_median_ms(lambda: vidattn.block_sparse_attention(
             q, k, v, index, count, tile_volume=64, validate_index=False))
-        flops = 4 * heads * seq * topk * 64 * 128
-        print(f"setting {label}: {name} {sparsity}: {ms:.3f} ms {flops / ms / 1e9:.1f} TFLOP/s",
-              flush=True)
+        print(f"setting {label}: {shape.label}: {ms:.3f} ms "
+              f"{case.forward_flops(shape) / ms / 1e9:.1f} TFLOP/s", flush=True)
         del q, k, v, index, count
 
 

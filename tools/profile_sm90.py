@@ -17,6 +17,7 @@ import argparse
 import torch
 
 import vidattn
+from vidattn.bench.blocksparse_case import random_selection
 
 
 def main() -> None:
@@ -41,14 +42,11 @@ def main() -> None:
     tiles = tokens // 64
     topk = tiles - int(0.9 * tiles)  # 90% sparse: 63 of Wan 480p's 624 tiles
     qs, ks, vs = (randn(1, tiles * 64, heads, 128) for _ in range(3))
-    scores = torch.rand(1, heads, tiles, tiles, generator=g, device="cuda")
-    idx = scores.topk(topk, dim=-1).indices.sort(-1).values.to(torch.int32).contiguous()
-    cnt = torch.full((1, heads, tiles), topk, dtype=torch.int32, device="cuda")
+    idx, cnt = random_selection(1, heads, tiles, tiles, topk, g, "cuda")
     windowed = None
     if args.sparse_window is not None:
         window = max(topk, int(args.sparse_window * tiles))
-        scores = torch.rand(1, heads, tiles, window, generator=g, device="cuda")
-        windowed = scores.topk(topk, dim=-1).indices.sort(-1).values.to(torch.int32).contiguous()
+        windowed, _ = random_selection(1, heads, tiles, window, topk, g, "cuda")
     ops = torch.ops.vidattn
 
     def run():

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine call: the 64-token block-sparse rows (tools/probe_sparse_rows.py) under each
-# of SETTINGS, ROUNDS rounds alternating them, then tools/probe_sparse_list_length.py (what a
-# query tile costs beyond its key blocks) under each. A setting is LABEL:VAR=VALUE[,VAR=VALUE],
+# of SETTINGS, ROUNDS rounds alternating them, then tools/probe_sparse_list_length.py (speed
+# against list length, and on windowed lists) under each. A setting is LABEL:VAR=VALUE[,VAR=VALUE],
 # the sm_90a measuring switches of sm90_fwd_launch_impl.h.
 #   LIB=build/carry/x.so OUT=$OUT ROUNDS=2 \
 #     SETTINGS="spread1:VIDATTN_SM90_WALK_SPREAD=1 spread4:VIDATTN_SM90_WALK_SPREAD=4" \
