@@ -6,6 +6,7 @@
 #   LIB=build/carry/x.so OUT=$OUT ROUNDS=2 \
 #     SETTINGS="spread1:VIDATTN_SM90_WALK_SPREAD=1 spread4:VIDATTN_SM90_WALK_SPREAD=4" \
 #     bash tools/sparse_setting_ab_device_run.sh
+# PROBE_LISTS (tools/probe_sparse_rows.py) passes through; PROBE_TIMEOUT: seconds per rows process.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LIB=${LIB:?LIB=op library}
@@ -28,7 +29,7 @@ with_setting() {
 if has rows; then
   for r in $(seq "$ROUNDS"); do
     for spec in $SETTINGS; do
-      with_setting "$spec" timeout 150 python3 tools/probe_sparse_rows.py >>"$OUT/rows.log" 2>&1
+      with_setting "$spec" timeout "${PROBE_TIMEOUT:-150}" python3 tools/probe_sparse_rows.py >>"$OUT/rows.log" 2>&1
     done
   done
   python3 - "$OUT/rows.log" <<'PY'
