@@ -15,6 +15,7 @@ streams' K / V working set comes from:
   strided     k tiles evenly spaced from a random offset (no randomness beyond the offset);
   window4     uniform lists over the first quarter of the key tiles (a 4x smaller working
               set, the reference of the L2 windows entry in docs/perf-notes.md).
+PROBE_SHAPES ("seq,heads,sparsity;..."), if set, replaces the gpu-suite's rows (B = 1, D = 128).
 Not a test.
 """
 import os
@@ -23,7 +24,7 @@ import torch
 
 import vidattn
 from vidattn.bench.blocksparse_case import blocksparse_case, random_selection, topk_of
-from vidattn.bench.shapes import PRESETS
+from vidattn.bench.shapes import PRESETS, block_sparse
 from vidattn.bench.timing import gpu_median_ms
 
 
@@ -53,9 +54,11 @@ def main() -> None:
     kinds = os.environ.get("PROBE_LISTS", "uniform").split(",")
     g = torch.Generator(device="cuda").manual_seed(0)
     case = blocksparse_case(torch.device("cuda"))
-    for shape in PRESETS["gpu-suite"].shapes:
-        if shape.kind != "blocksparse":
-            continue
+    shapes = [s for s in PRESETS["gpu-suite"].shapes if s.kind == "blocksparse"]
+    if os.environ.get("PROBE_SHAPES"):
+        shapes = [block_sparse(1, int(h), int(n), 128, float(s))
+                  for n, h, s in (row.split(",") for row in os.environ["PROBE_SHAPES"].split(";"))]
+    for shape in shapes:
         tiles = shape.q_len // 64
         q, k, v = (torch.randn(shape.batch, shape.q_len, shape.heads, shape.head_dim,
                                generator=g, device="cuda", dtype=torch.bfloat16)

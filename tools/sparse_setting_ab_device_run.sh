@@ -6,7 +6,7 @@
 #   LIB=build/carry/x.so OUT=$OUT ROUNDS=2 \
 #     SETTINGS="spread1:VIDATTN_SM90_WALK_SPREAD=1 spread4:VIDATTN_SM90_WALK_SPREAD=4" \
 #     bash tools/sparse_setting_ab_device_run.sh
-# PROBE_LISTS (tools/probe_sparse_rows.py) passes through; PROBE_TIMEOUT: seconds per rows process.
+# PROBE_LISTS and PROBE_SHAPES (tools/probe_sparse_rows.py) pass through; PROBE_TIMEOUT: seconds per rows process.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LIB=${LIB:?LIB=op library}
