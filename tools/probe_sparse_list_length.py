@@ -6,7 +6,7 @@ Runs the 64-token kernel at Wan 480p (1 x 39936 x H12, D128, bf16) on uniform ra
 ascending lists of k key tiles for a range of k, back to back as power_clocks.py does (SM clock
 and board power sampled), then fits the call time, and the SM cycles (time x clock), as
 a + b * k and prints a / b in key tiles: what a query tile would cost beside its key tiles if
-the cost were linear in k. Then k = 62 (90%) on lists drawn from a quarter of the key tiles
+the cost were linear in k. Then k = 62 (about 90%) on lists drawn from a quarter of the key tiles
 (one window for all query tiles, and one around each), the same work over less K / V.
 The twenty-sixth session read a (~5 key tiles) as the tiles' start and end and found it was
 not (docs/perf-notes.md, "The 64-token kernel's walk, list length and L2 reuse"). Not a test;

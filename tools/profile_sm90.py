@@ -18,6 +18,7 @@ import torch
 
 import vidattn
 from vidattn.bench.blocksparse_case import random_selection
+from vidattn.vsa import topk_from_sparsity
 
 
 def main() -> None:
@@ -40,7 +41,7 @@ def main() -> None:
     q, k, v = randn(B, S, H, D), randn(B, Sk, H, D), randn(B, Sk, H, D)
     tokens, heads = (int(x) for x in args.sparse_shape.split(","))
     tiles = tokens // 64
-    topk = tiles - int(0.9 * tiles)  # 90% sparse: 63 of Wan 480p's 624 tiles
+    topk = topk_from_sparsity(0.9, tiles)  # 63 of Wan 480p's 624 tiles
     qs, ks, vs = (randn(1, tiles * 64, heads, 128) for _ in range(3))
     idx, cnt = random_selection(1, heads, tiles, tiles, topk, g, "cuda")
     windowed = None
