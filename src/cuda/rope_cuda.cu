@@ -11,11 +11,13 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "dtype_io.cuh"
+#include "common/dtype_io.cuh"
 #include "rope_launch.h"
 
 namespace vidattn::detail {
 namespace {
+
+using cuda_common::Io;
 
 template <class X, class C, class Acc>
 __global__ void rope_kernel(RopeLaunchParams p) {

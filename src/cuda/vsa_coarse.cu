@@ -25,12 +25,14 @@
 #include <cstring>
 #include <type_traits>
 
-#include "dtype_io.cuh"
-#include "sm80/mma_utils.h"
+#include "common/dtype_io.cuh"
+#include "common/mma_utils.h"
 #include "vsa_coarse_launch.h"
 
 namespace vidattn::detail {
 namespace {
+
+using cuda_common::Io;
 
 // Calls f(T{}) with the storage type of a dtype code.
 template <class F>
@@ -685,8 +687,8 @@ __device__ __forceinline__ void score_key_groups(const std::uint32_t (&a)[2 * kS
   for (int c = 0; c < kSlices; ++c)
 #pragma unroll
     for (int j = 0; j < kGroups; ++j) {
-      cuda_sm80::Mma<T>::run(acc[j], a[2 * c], kv[j][c].x, kv[j][c].y);
-      cuda_sm80::Mma<T>::run(acc[j], a[2 * c + 1], kv[j][c].z, kv[j][c].w);
+      cuda_common::Mma<T>::run(acc[j], a[2 * c], kv[j][c].x, kv[j][c].y);
+      cuda_common::Mma<T>::run(acc[j], a[2 * c + 1], kv[j][c].z, kv[j][c].w);
     }
 }
 

@@ -9,11 +9,13 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "dtype_io.cuh"
+#include "common/dtype_io.cuh"
 #include "vsa_combine_launch.h"
 
 namespace vidattn::detail {
 namespace {
+
+using cuda_common::Io;
 
 // VEC consecutive elements moved as one 16-byte access (VEC * sizeof(T) == 16) or one by one.
 template <class T, int VEC>

@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-namespace vidattn::cuda_sm80 {
+namespace vidattn::cuda_common {
 
 // One sequence of the problem: its lengths, and where its row 0 lives.
 struct Sequence {
@@ -13,4 +13,4 @@ struct Sequence {
   std::int64_t batch = 0;                 // b (batched), 0 (varlen; offsets are in first_*)
 };
 
-}  // namespace vidattn::cuda_sm80
+}  // namespace vidattn::cuda_common

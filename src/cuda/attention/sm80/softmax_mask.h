@@ -12,8 +12,6 @@
 
 namespace vidattn::cuda_sm80 {
 
-constexpr float kLog2e = 1.4426950408889634f;
-
 // S[16 x KEYS] of one warp: rows [a_row0, a_row0 + 16) of the shared A tile times rows
 // [b_row0, b_row0 + KEYS) of the shared B tile, both row-major [row][d] and swizzled with
 // width D, fp32, unscaled. Q K^T (logits) and dO V^T (dP) are both this product.
@@ -103,16 +101,6 @@ __device__ __forceinline__ std::int64_t key_end(const MaskInfo& m, std::int64_t 
 __device__ __forceinline__ std::int64_t query_begin(const MaskInfo& m, std::int64_t k0) {
   if (!m.causal) return 0;
   return clamp64(k0 + m.len_q - m.len_k, 0, m.len_q);
-}
-
-// Row max / sum over the 4 threads that share a row of an mma accumulator.
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
 }  // namespace vidattn::cuda_sm80

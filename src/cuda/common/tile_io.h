@@ -7,7 +7,7 @@
 #include "params.h"
 #include "sequence.h"
 
-namespace vidattn::cuda_sm80 {
+namespace vidattn::cuda_common {
 
 __device__ __forceinline__ std::int64_t clamp64(std::int64_t x, std::int64_t lo,
                                                 std::int64_t hi) {
@@ -89,4 +89,4 @@ __device__ __forceinline__ void store_pair(std::uint16_t* dst, float x, float y,
   }
 }
 
-}  // namespace vidattn::cuda_sm80
+}  // namespace vidattn::cuda_common

@@ -6,7 +6,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-namespace vidattn::detail {
+namespace vidattn::cuda_common {
 
 template <class T> struct Io;
 template <> struct Io<float> {
@@ -30,4 +30,4 @@ template <> struct Io<__nv_bfloat16> {
   }
 };
 
-}  // namespace vidattn::detail
+}  // namespace vidattn::cuda_common

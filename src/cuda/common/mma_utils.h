@@ -1,5 +1,6 @@
-// Warp-level building blocks of the sm_80 kernels: tensor-core mma.sync m16n8k16 (fp32
-// accumulation), ldmatrix, cp.async, and a swizzled shared-memory tile layout.
+// Warp-level building blocks shared by the kernels: tensor-core mma.sync m16n8k16 (fp32
+// accumulation), ldmatrix, cp.async, a swizzled shared-memory tile layout, MUFU approximations
+// and the row reductions over the four threads of an mma accumulator row.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -7,7 +8,7 @@
 
 #include <cstdint>
 
-namespace vidattn::cuda_sm80 {
+namespace vidattn::cuda_common {
 
 // ---- element types ----------------------------------------------------------------------
 
@@ -116,4 +117,16 @@ __device__ __forceinline__ float rcp_approx(float x) {
   return y;
 }
 
-}  // namespace vidattn::cuda_sm80
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Row max / sum over the 4 threads that share a row of an mma accumulator.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+}  // namespace vidattn::cuda_common

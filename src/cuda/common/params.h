@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-namespace vidattn::cuda_sm80 {
+namespace vidattn::cuda_common {
 
 // Where a [B, S, H, D] (batched) or [T, H, D] (varlen) tensor keeps its rows.
 struct RowStrides {
@@ -82,4 +82,4 @@ struct AttentionParams {
   int q_tiles = 0, kv_tiles = 0, max_k = 0;
 };
 
-}  // namespace vidattn::cuda_sm80
+}  // namespace vidattn::cuda_common

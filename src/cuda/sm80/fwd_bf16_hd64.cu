@@ -1,6 +1,0 @@
-// Forward instantiation: bf16, head dim 64.
-#include "launch_impl.h"
-
-namespace vidattn::cuda_sm80 {
-template void launch_forward<__nv_bfloat16, 64>(const AttentionParams&, cudaStream_t);
-}  // namespace vidattn::cuda_sm80

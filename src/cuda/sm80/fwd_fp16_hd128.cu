@@ -1,6 +1,0 @@
-// Forward instantiation: fp16, head dim 128.
-#include "launch_impl.h"
-
-namespace vidattn::cuda_sm80 {
-template void launch_forward<__half, 128>(const AttentionParams&, cudaStream_t);
-}  // namespace vidattn::cuda_sm80
