@@ -1,5 +1,6 @@
-# CUDA backends: sm_80 (portable path, src/cuda/sm80) and sm_90a (Hopper path). Every .cu
-# under src/cuda/ is compiled for both targets; one instantiation per file keeps the build
+# CUDA backend (src/cuda: dispatch/, common/, attention/sm80, attention/sm90, vsa/, rope/).
+# Every .cu under src/cuda/ is compiled for both targets (an sm_90a kernel compiled for sm_80
+# is an empty body the dispatch never launches); one instantiation per file keeps the build
 # parallel.
 enable_language(CUDA)
 find_package(CUDAToolkit REQUIRED)
@@ -25,9 +26,12 @@ if(VIDATTN_CUDA_SOURCES)
   # The -gencode list above is the only target list (no CMake default architecture).
   set_target_properties(vidattn_cuda PROPERTIES CUDA_ARCHITECTURES OFF
     POSITION_INDEPENDENT_CODE ON CUDA_STANDARD 20 CUDA_STANDARD_REQUIRED ON)
-  target_include_directories(vidattn_cuda PRIVATE ${PROJECT_SOURCE_DIR}/include)
+  # Sources include each other as "cuda/common/params.h", from src/.
+  target_include_directories(vidattn_cuda PRIVATE ${PROJECT_SOURCE_DIR}/include
+    ${PROJECT_SOURCE_DIR}/src)
   target_compile_options(vidattn_cuda PRIVATE ${VIDATTN_CUDA_GENCODE} ${VIDATTN_CUDA_FLAGS})
-  target_compile_definitions(vidattn_cuda PRIVATE VIDATTN_WITH_CUDA=1)
+  target_compile_definitions(vidattn_cuda PRIVATE VIDATTN_WITH_CUDA=1
+    $<$<BOOL:${VIDATTN_TESTING}>:VIDATTN_TESTING=1>)
   target_link_libraries(vidattn_cuda PRIVATE CUDA::cudart)
   target_sources(vidattn PRIVATE $<TARGET_OBJECTS:vidattn_cuda>)
   target_compile_definitions(vidattn PRIVATE VIDATTN_WITH_CUDA=1)

@@ -22,6 +22,9 @@ message(STATUS "vidattn: building the op library against torch ${VIDATTN_TORCH_V
 
 add_library(vidattn_torch MODULE torch/ops.cpp torch/cuda_workspace.cpp torch/rope_ops.cpp torch/vsa_ops.cpp
   torch/vsa_combine_ops.cpp)
+if(VIDATTN_TESTING)
+  target_sources(vidattn_torch PRIVATE torch/testing_ops.cpp)
+endif()
 target_include_directories(vidattn_torch SYSTEM PRIVATE
   ${VIDATTN_TORCH_DIR}/include
   ${VIDATTN_TORCH_DIR}/include/torch/csrc/api/include)
@@ -37,8 +40,7 @@ if(VIDATTN_HAVE_CUDA_SOURCES AND VIDATTN_TORCH_CUDA_VERSION
    AND EXISTS ${VIDATTN_TORCH_DIR}/lib/libtorch_cuda.so
    AND EXISTS ${VIDATTN_TORCH_DIR}/lib/libc10_cuda.so)
   message(STATUS "vidattn: op library registers CUDA kernels (torch CUDA ${VIDATTN_TORCH_CUDA_VERSION})")
-  # VIDATTN_WITH_CUDA: the core's CUDA entry points (src/core/backends.h) for the private ops.
-  target_compile_definitions(vidattn_torch PRIVATE VIDATTN_TORCH_CUDA=1 VIDATTN_WITH_CUDA=1)
+  target_compile_definitions(vidattn_torch PRIVATE VIDATTN_TORCH_CUDA=1)
   target_link_libraries(vidattn_torch PRIVATE
     ${VIDATTN_TORCH_DIR}/lib/libtorch_cuda.so
     ${VIDATTN_TORCH_DIR}/lib/libc10_cuda.so

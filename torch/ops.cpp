@@ -11,15 +11,11 @@
 #include <cmath>
 #include <vector>
 
-#include "../src/core/backends.h"  // the sm_90a entry and launch counter of the private ops
 #include "tensor_adapter.h"
 #include "vidattn/attention.h"
 
 namespace vidattn::torch_ops {
 namespace {
-
-// Debug query for tests: how many times the sm_90a forward kernels ran in this process.
-int64_t sm90_forward_launches() { return vidattn::detail::sm90_forward_launch_count(); }
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
@@ -269,11 +265,6 @@ TORCH_LIBRARY(vidattn, m) {
       "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k) -> "
       "(Tensor dq, Tensor dk, Tensor dv)",
       tags);
-  m.def("_sm90_forward_launches() -> int", &sm90_forward_launches);
-  m.def(
-      "_block_sparse_forward_sm90(Tensor q, Tensor k, Tensor v, Tensor q2k_index, "
-      "Tensor q2k_count, Tensor kv_block_sizes, int tile_volume, float? scale=None) -> "
-      "(Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(vidattn, CPU, m) {
@@ -283,37 +274,11 @@ TORCH_LIBRARY_IMPL(vidattn, CPU, m) {
 }
 
 #ifdef VIDATTN_TORCH_CUDA
-// Standalone sm_90a block-sparse forward (tests and benchmarks; the public block-sparse op
-// routes to the same entry).
-std::tuple<Tensor, Tensor> block_sparse_forward_sm90_kernel(
-    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& q2k_index,
-    const Tensor& q2k_count, const Tensor& kv_block_sizes, int64_t tile_volume,
-    std::optional<double> scale) {
-  constexpr const char* fn = "vidattn._block_sparse_forward_sm90";
-  const at::OptionalDeviceGuard device_guard(at::device_of(q));
-  return translate_errors([&] {
-    TORCH_CHECK_VALUE(q.dim() == 4, fn, ": argument 'q' must be 4-D [B, S, H, D]");
-    Tensor out = at::empty(q.sizes(), q.options());
-    Tensor lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-    const double sc = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
-    const TensorView kv_sizes = view_of(kv_block_sizes, fn, "kv_block_sizes");
-    const bool launched = vidattn::detail::cuda_sm90_block_sparse_forward(
-        view_of(q, fn, "q"), view_of(k, fn, "k"), view_of(v, fn, "v"), view_of(out, fn, "out"),
-        view_of(lse, fn, "lse"), view_of(q2k_index, fn, "q2k_index"),
-        view_of(q2k_count, fn, "q2k_count"), &kv_sizes,
-        static_cast<int>(tile_volume), sc, /*sm_margin=*/0, stream_of(q));
-    TORCH_CHECK(launched, fn, ": needs an sm_90 GPU, a build with sm_90a kernels, "
-                "VIDATTN_DISABLE_SM90 unset and 16-byte aligned views");
-    return std::make_tuple(out, lse);
-  });
-}
-
 // The same kernels: the core dispatches on the tensors' device, on PyTorch's current stream.
 TORCH_LIBRARY_IMPL(vidattn, CUDA, m) {
   m.impl("attention", &attention_kernel);
   m.impl("attention_varlen", &attention_varlen_kernel);
   m.impl("attention_backward", &attention_backward_kernel);
-  m.impl("_block_sparse_forward_sm90", &block_sparse_forward_sm90_kernel);
 }
 #endif
 

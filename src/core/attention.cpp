@@ -1,7 +1,6 @@
 // Validation and backend dispatch for dense attention. Backends see only validated calls.
 #include "vidattn/attention.h"
 
-#include <atomic>
 #include <cmath>
 
 #include "backends.h"
@@ -223,15 +222,3 @@ void attention_backward(const TensorView& q, const TensorView& k, const TensorVi
 }
 
 }  // namespace vidattn
-
-namespace vidattn::detail {
-namespace {
-std::atomic<std::int64_t> g_sm90_forward_launches{0};
-}  // namespace
-void note_sm90_forward_launch() noexcept {
-  g_sm90_forward_launches.fetch_add(1, std::memory_order_relaxed);
-}
-std::int64_t sm90_forward_launch_count() noexcept {
-  return g_sm90_forward_launches.load(std::memory_order_relaxed);
-}
-}  // namespace vidattn::detail

@@ -39,7 +39,7 @@ void cpu_block_sparse_backward(const BlockSparseProblem& p, const TensorView& q,
                                const BlockSparseOptions& options);
 
 #ifdef VIDATTN_WITH_CUDA
-// CUDA (sm_80 and newer; src/cuda/sm80/block_sparse_sm80.cu): bfloat16 / float16, D = Dv in
+// CUDA (sm_80 and newer; src/cuda/dispatch/block_sparse.cu, src/cuda/vsa/k2q_transpose.cu): bfloat16 / float16, D = Dv in
 // {64, 128}; anything else throws NotImplementedError. Asynchronous on the given stream,
 // except the index check of the forward and of the transpose (vsa.h), which is skipped while
 // the stream is being captured or when validate_index is false.

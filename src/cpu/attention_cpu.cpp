@@ -3,10 +3,11 @@
 // backward passes. Every output element is owned by one task, so results are deterministic
 // whatever the thread count.
 //
-// One mainloop serves every attention pattern. A pattern says which key spans a query block
-// visits (dense: consecutive key blocks up to the causal bound; block-sparse: the key tiles
-// the query tile selected) and, for the dK/dV pass, which query blocks visit a key block
-// (dense: all, causal-skipped; block-sparse: the transposed k2q index).
+// One mainloop serves dense and block-sparse attention; a key-visit policy (DenseVisit,
+// SparseVisit) says which key spans a query block visits (dense: consecutive key blocks up to
+// the causal bound; block-sparse: the key tiles the query tile selected) and, for the dK/dV
+// pass, which query blocks visit a key block (dense: all, causal-skipped; block-sparse: the
+// transposed k2q index).
 //
 // The inputs are first packed into contiguous [heads][rows][dim] buffers in the accumulator
 // type (float, or double for float64 inputs): this settles dtype conversion and arbitrary
@@ -253,7 +254,7 @@ struct Context {
   }
 
   // Scaled logits S[rows x cols] (leading dim kBlockK) of queries i0.. of head hq against
-  // keys j0.. of sequence b, before the pattern's mask (q is packed pre-scaled). Forward and
+  // keys j0.. of sequence b, before the key-visit policy's mask (q is packed pre-scaled). Forward and
   // backward both call this, so the backward recomputes exactly the forward's logits. With
   // the AVX2 tiles, columns up to the next multiple of 16 are written too (and ignored).
   void scores(std::int64_t b, std::int64_t hq, std::int64_t i0, int rows, std::int64_t j0,
@@ -292,9 +293,10 @@ Acc exp_shift_sum(Acc* s, int n, Acc shift) {
   return sum;
 }
 
-// ---- patterns ---------------------------------------------------------------------------
+// ---- key-visit policies ---------------------------------------------------------------
 //
-// A pattern says which work exists (rows and columns are relative to sequence b's start):
+// A key-visit policy says which work exists (rows and columns are relative to sequence b's
+// start):
 //   query_blocks()               blocks of <= kBlockQ query rows of one (sequence, q head);
 //                                rows [valid_rows, rows) are padding: output 0, LSE -inf.
 //   for_each_key_span(qb, f)     the key spans (<= kBlockK consecutive keys) that query
@@ -322,13 +324,13 @@ struct KeyBlock {
 };
 
 // Dense attention: every key, with causal and key/query padding masks.
-struct DensePattern {
+struct DenseVisit {
   const AttentionProblem& p;
   const Sequences& seq;
   std::vector<std::uint8_t> k_valid, q_valid;
   bool has_key_mask;
 
-  DensePattern(const AttentionProblem& problem, const Sequences& sequences,
+  DenseVisit(const AttentionProblem& problem, const Sequences& sequences,
                const AttentionOptions& o, std::int64_t rows_q)
       : p(problem), seq(sequences), has_key_mask(o.key_padding_mask.has_value()) {
     if (!p.varlen) {
@@ -413,7 +415,7 @@ struct DensePattern {
 // Block-sparse attention: a query tile visits the key tiles it selected (q2k); a key tile is
 // visited by the query tiles that selected it (k2q). Key slots past a tile's block size are
 // left out of its span rather than masked; zero-size tiles are skipped.
-struct SparsePattern {
+struct SparseVisit {
   const BlockSparseProblem& p;
   std::vector<std::int32_t> q_sizes, kv_sizes;
   const TensorView& q2k_index;
@@ -422,7 +424,7 @@ struct SparsePattern {
   const TensorView* k2q_index = nullptr;
   int sub_blocks;  // query blocks per tile (a 256-slot tile is two blocks of 128 rows)
 
-  SparsePattern(const BlockSparseProblem& problem, const BlockSparseOptions& o,
+  SparseVisit(const BlockSparseProblem& problem, const BlockSparseOptions& o,
                 const TensorView& idx, const TensorView& cnt, const ArgChecker& check)
       : p(problem),
         q_sizes(cpu_vsa::read_block_sizes(check, o.q_block_sizes ? &*o.q_block_sizes : nullptr,
@@ -512,13 +514,13 @@ struct SparsePattern {
 
 // ---- the mainloop -------------------------------------------------------------------------
 
-template <class Acc, class Pattern>
-void forward(const Context<Acc>& c, const Pattern& pattern, bool varlen, const TensorView& out,
+template <class Acc, class Visit>
+void forward(const Context<Acc>& c, const Visit& visit, bool varlen, const TensorView& out,
              const TensorView& lse) {
   const RowLayout out_layout = token_rows(out, varlen);
   const RowLayout lse_layout = lse_rows(lse, varlen);
   const std::int64_t Dv = c.head_dim_v;
-  const std::vector<QueryBlock> tasks = pattern.query_blocks();
+  const std::vector<QueryBlock> tasks = visit.query_blocks();
 
   const Acc neg_inf = -std::numeric_limits<Acc>::infinity();
 #pragma omp parallel num_threads(threads_for(c.threads, tasks.size()))
@@ -534,11 +536,11 @@ void forward(const Context<Acc>& c, const Pattern& pattern, bool varlen, const T
       std::fill(l.begin(), l.end(), Acc(0));
       // The span body takes raw pointers and sizes by value, so that the compiler keeps them
       // in registers across the per-row loops.
-      auto visit_span = [&c, &pattern, &qb, Sp = S.data(), ap = acc.data(), mp = m.data(),
+      auto visit_span = [&c, &visit, &qb, Sp = S.data(), ap = acc.data(), mp = m.data(),
                          lp = l.data(), rows, Dv, b, h, i0, neg_inf](const KeySpan& sp) {
         const int cols = sp.cols;
         c.scores(b, h, i0, rows, sp.j0, cols, Sp);
-        pattern.mask(qb, rows, sp, Sp);
+        visit.mask(qb, rows, sp, Sp);
         for (int r = 0; r < rows; ++r) {
           Acc* s = Sp + r * kBlockK;
           const Acc m_new = std::max(mp[r], row_max(s, cols));
@@ -566,10 +568,10 @@ void forward(const Context<Acc>& c, const Pattern& pattern, bool varlen, const T
           cpu::gemm_nn<Acc>(rows, static_cast<int>(Dv), cols, Sp, kBlockK, v_block,
                             static_cast<int>(Dv), Acc(1), ap, static_cast<int>(Dv));
       };
-      if (rows > 0) pattern.for_each_key_span(qb, visit_span);
+      if (rows > 0) visit.for_each_key_span(qb, visit_span);
       for (int r = 0; r < qb.rows; ++r) {
         const std::int64_t row = c.seq.q_start[b] + i0 + r;
-        const bool empty = r >= rows || l[r] == Acc(0) || !pattern.query_row_valid(row);
+        const bool empty = r >= rows || l[r] == Acc(0) || !visit.query_row_valid(row);
         if (empty) {
           store_zero_row(out, out_layout.offset(row, h), Dv);
           store_scalar(lse, lse_layout.offset(row, h), -std::numeric_limits<double>::infinity());
@@ -582,8 +584,8 @@ void forward(const Context<Acc>& c, const Pattern& pattern, bool varlen, const T
   }
 }
 
-template <class Acc, class Pattern>
-void backward(const Context<Acc>& c, const Pattern& pattern, bool varlen, double softmax_scale,
+template <class Acc, class Visit>
+void backward(const Context<Acc>& c, const Visit& visit, bool varlen, double softmax_scale,
               const TensorView& out, const TensorView& lse_t, const TensorView& grad_out,
               const TensorView& dq, const TensorView& dk, const TensorView& dv) {
   const std::int64_t D = c.head_dim, Dv = c.head_dim_v, Hq = c.heads_q;
@@ -607,7 +609,7 @@ void backward(const Context<Acc>& c, const Pattern& pattern, bool varlen, double
     const Acc value = lse_t.dtype == DType::kFloat64
                           ? Acc(static_cast<const double*>(lse_t.data)[off])
                           : Acc(static_cast<const float*>(lse_t.data)[off]);
-    lse[hr] = pattern.query_row_valid(r) ? value : neg_inf;
+    lse[hr] = visit.query_row_valid(r) ? value : neg_inf;
   }
 
   // P = exp(S - lse) and dS = P * (dO V^T - delta) of one block, in place in S and dP.
@@ -616,7 +618,7 @@ void backward(const Context<Acc>& c, const Pattern& pattern, bool varlen, double
     const std::int64_t b = qb.b, h = qb.h;
     const int cols = sp.cols;
     c.scores(b, h, qb.i0, rows, sp.j0, cols, S);
-    pattern.mask(qb, rows, sp, S);
+    visit.mask(qb, rows, sp, S);
     const std::int64_t row0 = h * c.rows_q + c.seq.q_start[b] + qb.i0;
     cpu::gemm_nt<Acc>(rows, cols, static_cast<int>(Dv), dout.data() + row0 * Dv,
                       static_cast<int>(Dv), c.v_rows(c.kv_head(h), c.seq.k_start[b] + sp.j0),
@@ -643,7 +645,7 @@ void backward(const Context<Acc>& c, const Pattern& pattern, bool varlen, double
   const RowLayout dv_layout = token_rows(dv, varlen);
 
   // Pass 1: dK and dV, one task per key block.
-  const std::vector<KeyBlock> kv_tasks = pattern.key_blocks();
+  const std::vector<KeyBlock> kv_tasks = visit.key_blocks();
 #pragma omp parallel num_threads(threads_for(c.threads, kv_tasks.size()))
   {
     std::vector<Acc> S(kBlockQ * kBlockK), dP(kBlockQ * kBlockK);
@@ -654,7 +656,7 @@ void backward(const Context<Acc>& c, const Pattern& pattern, bool varlen, double
       std::fill(dk_acc.begin(), dk_acc.end(), Acc(0));
       std::fill(dv_acc.begin(), dv_acc.end(), Acc(0));
       if (kb.valid_cols > 0)
-        pattern.for_each_query_block(kb, [&](const QueryBlock& qb, const KeySpan& sp) {
+        visit.for_each_query_block(kb, [&](const QueryBlock& qb, const KeySpan& sp) {
           const int rows = qb.valid_rows;
           if (rows == 0) return;
           probs_and_dscores(qb, rows, sp, S.data(), dP.data());
@@ -681,7 +683,7 @@ void backward(const Context<Acc>& c, const Pattern& pattern, bool varlen, double
   }
 
   // Pass 2: dQ, one task per query block.
-  const std::vector<QueryBlock> q_tasks = pattern.query_blocks();
+  const std::vector<QueryBlock> q_tasks = visit.query_blocks();
 #pragma omp parallel num_threads(threads_for(c.threads, q_tasks.size()))
   {
     std::vector<Acc> S(kBlockQ * kBlockK), dP(kBlockQ * kBlockK), dq_acc(kBlockQ * D);
@@ -691,7 +693,7 @@ void backward(const Context<Acc>& c, const Pattern& pattern, bool varlen, double
       const int rows = qb.valid_rows;
       std::fill(dq_acc.begin(), dq_acc.end(), Acc(0));
       if (rows > 0)
-        pattern.for_each_key_span(qb, [&](const KeySpan& sp) {
+        visit.for_each_key_span(qb, [&](const KeySpan& sp) {
           probs_and_dscores(qb, rows, sp, S.data(), dP.data());
           cpu::gemm_nn<Acc>(rows, static_cast<int>(D), sp.cols, dP.data(), kBlockK,
                             c.k_rows(c.kv_head(qb.h), c.seq.k_start[qb.b] + sp.j0),
@@ -770,7 +772,7 @@ void cpu_attention_forward(const AttentionProblem& p, const TensorView& q, const
     using Acc = decltype(acc);
     const Context<Acc> c(resolve_sequences(check, p, q, k, options), q, k, v, p.varlen, p.scale,
                          options.num_threads);
-    forward(c, DensePattern(p, c.seq, options, c.rows_q), p.varlen, out, lse);
+    forward(c, DenseVisit(p, c.seq, options, c.rows_q), p.varlen, out, lse);
   });
 }
 
@@ -785,7 +787,7 @@ void cpu_attention_backward(const AttentionProblem& p, const TensorView& q,
     using Acc = decltype(acc);
     const Context<Acc> c(resolve_sequences(check, p, q, k, options), q, k, v, p.varlen, p.scale,
                          options.num_threads);
-    backward(c, DensePattern(p, c.seq, options, c.rows_q), p.varlen, p.scale, out, lse,
+    backward(c, DenseVisit(p, c.seq, options, c.rows_q), p.varlen, p.scale, out, lse,
              grad_out, dq, dk, dv);
   });
 }
@@ -797,12 +799,12 @@ void cpu_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
                               const BlockSparseOptions& o) {
   const ArgChecker check("vidattn::block_sparse_attention_forward");
   cpu::blas_use_one_thread();
-  const SparsePattern pattern(p, o, q2k_index, q2k_count, check);
+  const SparseVisit visit(p, o, q2k_index, q2k_count, check);
   with_accumulator(p.dtype, [&](auto acc) {
     using Acc = decltype(acc);
     const Context<Acc> c(batch_sequences(p.batch, p.seqlen_q, p.seqlen_k), q, k, v, false,
                          p.scale, o.num_threads);
-    forward(c, pattern, false, out, lse);
+    forward(c, visit, false, out, lse);
   });
 }
 
@@ -815,15 +817,15 @@ void cpu_block_sparse_backward(const BlockSparseProblem& p, const TensorView& q,
                                const BlockSparseOptions& o) {
   const ArgChecker check("vidattn::block_sparse_attention_backward");
   cpu::blas_use_one_thread();
-  SparsePattern pattern(p, o, q2k_index, q2k_count, check);
+  SparseVisit visit(p, o, q2k_index, q2k_count, check);
   check_k2q_index(check, p, q2k_count, k2q_offsets, k2q_index);
-  pattern.k2q_offsets = &k2q_offsets;
-  pattern.k2q_index = &k2q_index;
+  visit.k2q_offsets = &k2q_offsets;
+  visit.k2q_index = &k2q_index;
   with_accumulator(p.dtype, [&](auto acc) {
     using Acc = decltype(acc);
     const Context<Acc> c(batch_sequences(p.batch, p.seqlen_q, p.seqlen_k), q, k, v, false,
                          p.scale, o.num_threads);
-    backward(c, pattern, false, p.scale, out, lse, grad_out, dq, dk, dv);
+    backward(c, visit, false, p.scale, out, lse, grad_out, dq, dk, dv);
   });
 }
 

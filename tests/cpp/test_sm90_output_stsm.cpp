@@ -1,4 +1,4 @@
-// The sm_90a epilogue's stmatrix stores (src/cuda/sm90/sm90_fwd_output_stsm.h), run on the
+// The sm_90a epilogue's stmatrix stores (src/cuda/attention/sm90/fwd_output_stsm.h), run on the
 // host against cute: every (thread, store, matrix row) must land where the output slot's
 // layout (FwdTraits::SmemLayoutO, the layout the TMA store reads) puts that row and column,
 // the stores of a warpgroup must cover its slot exactly once, and the accumulator values a
@@ -14,8 +14,8 @@
 
 #include <cute/tensor.hpp>
 
-#include "cuda/sm90/sm90_fwd_output_stsm.h"
-#include "cuda/sm90/sm90_fwd_traits.h"
+#include "cuda/attention/sm90/fwd_output_stsm.h"
+#include "cuda/attention/sm90/fwd_traits.h"
 
 namespace {
 
@@ -87,17 +87,18 @@ void check_registers() {
 }
 
 using vidattn::cuda_sm90::FwdTraits;
+namespace configs = vidattn::cuda_sm90;
 
 TEST(Sm90OutputStsm, Bf16HeadDim128TwoWarpgroups) {
-  check_stores<FwdTraits<cutlass::bfloat16_t, 128, 128, 2, 1, 2, 2>>();
-  check_registers<FwdTraits<cutlass::bfloat16_t, 128, 128, 2, 1, 2, 2>>();
+  check_stores<FwdTraits<cutlass::bfloat16_t, configs::dense(128)>>();
+  check_registers<FwdTraits<cutlass::bfloat16_t, configs::dense(128)>>();
 }
 TEST(Sm90OutputStsm, Bf16HeadDim128ThreeWarpgroups) {
-  check_stores<FwdTraits<cutlass::bfloat16_t, 128, 64, 3, 1, 2, 2>>();
+  check_stores<FwdTraits<cutlass::bfloat16_t, configs::dense128_short()>>();
 }
 TEST(Sm90OutputStsm, Fp16HeadDim64ThreeWarpgroups) {
-  check_stores<FwdTraits<cutlass::half_t, 64, 128, 3, 1, 2, 2>>();
-  check_registers<FwdTraits<cutlass::half_t, 64, 128, 3, 1, 2, 2>>();
+  check_stores<FwdTraits<cutlass::half_t, configs::dense64_wide()>>();
+  check_registers<FwdTraits<cutlass::half_t, configs::dense64_wide()>>();
 }
 
 }  // namespace

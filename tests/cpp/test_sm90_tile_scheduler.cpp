@@ -1,4 +1,4 @@
-// The sm_90a tile schedulers' decode (src/cuda/sm90/sm90_tile_scheduler.h), run on the host:
+// The sm_90a tile schedulers' decode (src/cuda/attention/sm90/tile_scheduler.h), run on the host:
 // the divisions precomputed by set_shape / set_grid (cutlass::FastDivmod) must give the order
 // the kernels document, i.e. what plain division gives, and every tile exactly once. (The
 // kernels' results are checked on a GPU: tests/python/test_attention_sm90.py.)
@@ -10,7 +10,7 @@
 #include <tuple>
 #include <vector>
 
-#include "cuda/sm90/sm90_tile_scheduler.h"
+#include "cuda/attention/sm90/tile_scheduler.h"
 
 namespace {
 

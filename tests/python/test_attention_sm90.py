@@ -206,23 +206,6 @@ def test_sm90_some_warps_redo_their_blocks(Sq, Sk, H, D):
     takes_sm90(lambda: run_and_check(q, k, v, seed=311, check_grads=False))
 
 
-@pytest.mark.parametrize("slack", ["-1", "0", "12"])
-def test_sm90_rescale_slack_settings_follow_the_rule(slack):
-    """VIDATTN_SM90_RESCALE_SLACK (read once, so in a fresh process) at -1, the textbook
-    softmax (a speculated block fails whenever its partial sums pass 1/2: nearly every block
-    is redone from its max), 0 and 12 (probabilities up to 2^12 before the base moves, within
-    fp16's range for P): the growing-logits and split-tail tests of this file still follow
-    the rule."""
-    env = dict(os.environ, VIDATTN_SM90_RESCALE_SLACK=slack)
-    tests = ("test_sm90_logits_growing_along_the_keys or test_sm90_some_warps_redo_their_blocks"
-             " or test_sm90_split_last_round_matches_reference")
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          __file__, "-k", tests], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
-    assert " passed" in res.stdout and " failed" not in res.stdout, res.stdout[-3000:]
-
-
 # Seeded random problems drawn around the host dispatch's limits, so that every route meets
 # odd sizes beside the hand-picked cases above: key lengths at 1, 64, 128, 512 (the
 # three-warpgroup D = 128 kernel's limit), 1024, 4096 and 24576 (the persistent grid's) +- 1
@@ -457,27 +440,6 @@ def test_sm90_packed_padding_workspace_comes_from_torch():
     assert torch.cuda.max_memory_allocated() - base >= outputs + packed_kv
 
 
-def test_sm90_key_padding_masked_instance_without_packing():
-    """VIDATTN_SM90_PACK_PADDING=0 keeps non-causal key padding on the masked kernel instance,
-    which must still follow the rule (it also serves causal problems and any whose packed
-    copies do not fit in memory)."""
-    code = (
-        "import sys\n"
-        "sys.path.insert(0, sys.argv[1])\n"
-        "import torch, test_attention_sm90 as t\n"
-        "from test_attention_cuda import gen, run_and_check\n"
-        "for case in (t.PACKED_CASES[0], t.PACKED_CASES[3]):\n"
-        "    q, k, v, km, qm = t.packed_case_inputs(case, gen(7))\n"
-        "    t.takes_sm90(lambda: run_and_check(q, k, v, kmask=km, qmask=qm, seed=7,\n"
-        "                                       check_grads=False, clone_inputs=False))\n"
-        "print('ok')\n")
-    env = dict(os.environ, VIDATTN_SM90_PACK_PADDING="0")
-    res = subprocess.run([sys.executable, "-c", code, os.path.dirname(__file__)], env=env,
-                         capture_output=True, text=True, timeout=180)
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.strip().splitlines()[-1] == "ok"
-
-
 # The second case (D = 64: the 192-row tile) has sequences past 8192 keys. The third runs on
 # D = 128's three warpgroups (at most 128 keys: the one-block instance): 5 sequences x 26
 # heads make 260 tiles of 192 rows on 132 CTAs, a partial last round (under causal, the snake
@@ -559,86 +521,28 @@ def test_sm90_cta_pairs_match_reference(shape):
     takes_sm90(lambda: run_and_check(q, k, v, seed=seed, check_grads=False))
 
 
-# A fresh process (the kernel switches are read once per process) that runs
-# vidattn.attention on seeded inputs of each (B, Sq, Sk, Hq, Hkv, D, dtype name, causal) in
-# argv[2] and saves every output and LSE to argv[1], and the inputs too when argv[3] is
-# "inputs".
-ATTENTION_IN_A_PROCESS = (
-    "import ast, sys, torch, vidattn\n"
-    "outs, inputs, keep_inputs = [], [], sys.argv[3] == 'inputs'\n"
-    "for i, (b, sq, sk, hq, hkv, d, dt, causal) in enumerate(ast.literal_eval(sys.argv[2])):\n"
-    "    g = torch.Generator(device='cuda').manual_seed(i)\n"
-    "    q, k, v = (torch.randn(b, s, h, d, generator=g, device='cuda', dtype=getattr(torch, dt))\n"
-    "               for s, h in ((sq, hq), (sk, hkv), (sk, hkv)))\n"
-    "    outs += list(vidattn.attention(q, k, v, causal=causal, return_lse=True))\n"
-    "    if keep_inputs:\n"
-    "        inputs.append(tuple(x.cpu() for x in (q, k, v)))\n"
-    "torch.save({'outs': [o.cpu() for o in outs], 'inputs': inputs}, sys.argv[1])\n")
+
+# Non-causal problems of the three-warpgroup kernels whose last round runs as split pieces,
+# and causal ones (whose tiles stay whole), at odd sizes: partial last key blocks (129, 255,
+# 1000 keys at D = 64), partial query tiles, GQA, one CTA per tile (24600 keys); D = 128 with
+# 300 keys.
+ODD_TILE_SHAPES = [(1, 203, 129, 3, 1, 64, "float16"), (1, 203, 255, 3, 1, 64, "bfloat16"),
+                   (2, 300, 1000, 4, 2, 64, "bfloat16"), (1, 347, 300, 5, 1, 128, "float16"),
+                   (1, 500, 24600, 2, 2, 64, "bfloat16")]
 
 
-def attention_in_a_process(tmp_path, shapes, return_inputs=False, **switches):
-    """Outputs and LSEs of ATTENTION_IN_A_PROCESS with the environment variables `switches`
-    set (None: unset); return_inputs: also each problem's (q, k, v) as that process made them."""
-    env = dict(os.environ)
-    for name, value in switches.items():
-        env.pop(name, None)
-        if value is not None:
-            env[name] = value
-    path = tmp_path / ("run_" + "_".join(f"{k}={v}" for k, v in switches.items()) + ".pt")
-    res = subprocess.run([sys.executable, "-c", ATTENTION_IN_A_PROCESS, str(path), repr(shapes),
-                          "inputs" if return_inputs else "outputs"],
-                         env=env, capture_output=True, text=True, timeout=180)
-    assert res.returncode == 0, res.stderr
-    saved = torch.load(path)
-    return (saved["outs"], saved["inputs"]) if return_inputs else saved["outs"]
-
-
-def test_sm90_cta_pairs_give_the_bits_of_single_ctas(tmp_path):
-    """VIDATTN_SM90_CLUSTER=0 runs the pairs' problems on single CTAs: the same arithmetic in
-    the same order, so the same output and LSE bits (and a pair that loaded a wrong half of
-    a block, or read a slot its partner had not filled, would not give them)."""
-    shapes = [c[:6] + (str(c[6]).split(".")[1], False) for c in PAIR_SHAPES]
-    paired = attention_in_a_process(tmp_path, shapes, VIDATTN_SM90_CLUSTER="1")
-    single = attention_in_a_process(tmp_path, shapes, VIDATTN_SM90_CLUSTER="0")
-    for p, s in zip(paired, single):
-        assert p.isfinite().all()
-        assert torch.equal(p, s)
-
-
-# Small non-causal problems of the three-warpgroup kernels now run as split pieces
-# (test_sm90_split_last_round_matches_reference); VIDATTN_SM90_SPLIT_TAIL=0 keeps their tiles
-# whole, so the whole-tile path stays under test at the odd sizes: partial last key blocks
-# (129, 255, 1000 keys at D = 64), partial query tiles, GQA, one CTA per tile (24600 keys);
-# D = 128 with 300 keys (without the split, dense128_short_fits gives these 10 tiles to the
-# 128-row kernel).
-WHOLE_TILE_SHAPES = [(1, 203, 129, 3, 1, 64, "float16", False),
-                     (1, 203, 255, 3, 1, 64, "bfloat16", False),
-                     (2, 300, 1000, 4, 2, 64, "bfloat16", False),
-                     (1, 347, 300, 5, 1, 128, "float16", False),
-                     (1, 500, 24600, 2, 2, 64, "bfloat16", False)]
-
-
-def test_sm90_whole_tiles_match_reference(tmp_path):
-    """The same problems with and without the split: both follow the rule against the float64
-    reference, on the inputs the processes made (the same in both: seeded)."""
-    whole, inputs = attention_in_a_process(tmp_path, WHOLE_TILE_SHAPES, return_inputs=True,
-                                           VIDATTN_SM90_SPLIT_TAIL="0")
-    split, split_inputs = attention_in_a_process(tmp_path, WHOLE_TILE_SHAPES, return_inputs=True,
-                                                 VIDATTN_SM90_SPLIT_TAIL=None)
-    for i, (b, sq, sk, hq, hkv, d, dt, causal) in enumerate(WHOLE_TILE_SHAPES):
-        dtype = getattr(torch, dt)
-        assert all(torch.equal(x, y) for x, y in zip(inputs[i], split_inputs[i]))
-        q, k, v = (x.to(DEV) for x in inputs[i])
-        assert q.dtype == dtype and q.shape == (b, sq, hq, d) and k.shape == (b, sk, hkv, d)
-        scale = 1.0 / d ** 0.5
-        ref, ref_lse = reference(q.double(), k.double(), v.double(), scale, causal)
-        low, low_lse = reference(q, k, v, scale, causal)
-        for run in (whole, split):
-            out, lse = run[2 * i].to(DEV), run[2 * i + 1].to(DEV)
-            check_rule("out", out, ref, low, dtype)
-            check_rule("lse", lse, ref_lse, low_lse, dtype)
-    # The switch took effect: the split sums in another order, so some bits differ.
-    assert any(not torch.equal(a, b) for a, b in zip(whole, split))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", ODD_TILE_SHAPES,
+                         ids=lambda c: "B{}_Sq{}_Sk{}_H{}x{}_D{}_{}".format(*c))
+def test_sm90_odd_tiles_match_reference(shape, causal):
+    B, Sq, Sk, Hq, Hkv, D, dtype = shape
+    seed = zlib.crc32(repr((shape, causal)).encode())
+    g = gen(seed)
+    dt = getattr(torch, dtype)
+    q = randn((B, Sq, Hq, D), dt, g, 4.0)
+    k = randn((B, Sk, Hkv, D), dt, g, 4.0)
+    v = randn((B, Sk, Hkv, D), dt, g)
+    takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
 # Problems with at most 24576 keys run on the persistent grid (the producer loads the next tile
@@ -649,19 +553,6 @@ SHORT_KEY_SHAPES = [(1, 3000, 512, 4, 4, 128, False), (2, 1000, 257, 4, 2, 128, 
                     (1, 2048, 2048, 2, 2, 64, False), (2, 777, 4096, 2, 1, 128, True),
                     (1, 640, 9000, 3, 1, 128, True), (1, 500, 12000, 2, 2, 64, False),
                     (1, 256, 20000, 2, 2, 128, False)]
-
-
-def test_sm90_grid_choice_keeps_the_bits(tmp_path):
-    """The persistent grid (the default up to 24576 keys) and one CTA per tile
-    (VIDATTN_SM90_GRID=tiles) run the same tile arithmetic: the same output and LSE bits, and
-    both follow the rule. A persistent CTA that skipped or repeated a tile would not give
-    them."""
-    shapes = [c[:6] + ("bfloat16", c[6]) for c in SHORT_KEY_SHAPES]
-    auto = attention_in_a_process(tmp_path, shapes, VIDATTN_SM90_GRID=None)
-    tiles = attention_in_a_process(tmp_path, shapes, VIDATTN_SM90_GRID="tiles")
-    for persistent, one_per_tile in zip(auto, tiles):
-        assert persistent.isfinite().any()
-        assert torch.equal(persistent, one_per_tile)
 
 
 @pytest.mark.parametrize("shape", SHORT_KEY_SHAPES,
@@ -675,26 +566,6 @@ def test_sm90_short_keys_match_reference(shape):
     k = randn((B, Sk, Hkv, D), torch.bfloat16, g, 4.0)
     v = randn((B, Sk, Hkv, D), torch.bfloat16, g)
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
-
-
-# The dense single-CTA kernel writes its output through shared memory and a TMA store
-# (VIDATTN_SM90_TMA_STORE_O=0: each thread's own stores): short key loops, fp16, D = 64, query
-# lengths that end inside a warpgroup's 64 rows, causal on one CTA per tile (25000 keys).
-TMA_STORE_SHAPES = [c[:6] + ("bfloat16", c[6]) for c in SHORT_KEY_SHAPES] + [
-    (1, 1000, 512, 2, 2, 128, "float16", False), (1, 999, 300, 3, 3, 64, "bfloat16", False),
-    (1, 1000, 25000, 2, 2, 128, "bfloat16", True)]
-
-
-def test_sm90_output_by_tma_keeps_the_bits(tmp_path):
-    """The TMA store moves the same values as the threads' stores: the same output and LSE
-    bits. A store to the wrong rows, a slot rewritten before its previous store read it, or
-    rows past the sequence left unwritten or overwritten would not give them."""
-    by_tma = attention_in_a_process(tmp_path, TMA_STORE_SHAPES, VIDATTN_SM90_TMA_STORE_O=None)
-    by_threads = attention_in_a_process(tmp_path, TMA_STORE_SHAPES, VIDATTN_SM90_TMA_STORE_O="0")
-    assert len(by_tma) == 2 * len(TMA_STORE_SHAPES)
-    for a, b in zip(by_tma, by_threads):
-        assert a.isfinite().any()
-        assert torch.equal(a, b)
 
 
 def test_misaligned_views_fall_back():
@@ -770,7 +641,8 @@ def test_sm90_block_sparse_matches_reference(tile, D, dtype):
                                                  dtype, max_k)
     scale = D ** -0.5
     before = launches()
-    out, lse = torch.ops.vidattn._block_sparse_forward_sm90(q, k, v, index, count, sizes, tile)
+    out, lse = vidattn.block_sparse_attention(q, k, v, index, count, tile_volume=tile,
+                                              kv_block_sizes=sizes, return_lse=True)
     torch.cuda.synchronize()
     assert launches() > before
     ref, ref_lse = sparse_reference(q.double(), k.double(), v.double(), index, count, sizes,
@@ -780,17 +652,3 @@ def test_sm90_block_sparse_matches_reference(tile, D, dtype):
     check_rule("out", out, ref, low, dtype)
     check_rule("lse", lse, ref_lse, low_lse, dtype)
 
-
-def test_sm90_block_sparse_bad_arguments():
-    g = gen(97)
-    q = randn((1, 128, 2, 64), torch.bfloat16, g)
-    index = torch.zeros((1, 2, 2, 1), dtype=torch.int32, device=DEV)
-    count = torch.ones((1, 2, 2), dtype=torch.int32, device=DEV)
-    sizes = torch.full((2,), 64, dtype=torch.int32, device=DEV)
-    op = torch.ops.vidattn._block_sparse_forward_sm90
-    with pytest.raises(ValueError, match="tile_volume"):
-        op(q, q, q, index, count, sizes, 96)
-    with pytest.raises(ValueError, match="q2k_count"):
-        op(q, q, q, index, count[:, :1], sizes, 64)
-    with pytest.raises(TypeError, match="kv_block_sizes"):
-        op(q, q, q, index, count, sizes.float(), 64)

@@ -304,20 +304,6 @@ def test_many_query_tiles_with_rotated_walks_match_float64_reference():
     assert_2x("lse", lse.cpu()[~dead], l64[~dead], llp[~dead], dtype)
 
 
-@pytest.mark.parametrize("spread", ["0", "4"])
-def test_walk_spread_settings_follow_the_rule(spread):
-    """VIDATTN_SM90_WALK_SPREAD (read once, so in a fresh process) at 0, every walk from its
-    first block, and 4, starts spread over a quarter of each list: other visiting orders of
-    the same blocks, so the rotated-walk test above must still follow the rule (on a device
-    without the Hopper path it runs the portable kernels, which ignore the switch)."""
-    env = dict(os.environ, VIDATTN_SM90_WALK_SPREAD=spread)
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          __file__, "-k", "test_many_query_tiles_with_rotated_walks"], env=env,
-                         capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
-    assert "1 passed" in res.stdout, res.stdout[-3000:]
-
-
 @pytest.mark.parametrize("V", [64, 128])
 def test_cuda_graph_replay_equals_eager(V):
     # The Hopper kernels' tile counter is allocated, zeroed and freed inside the graph.

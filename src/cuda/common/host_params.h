@@ -1,36 +1,13 @@
-// Host helpers shared by the sm_80 entry points (attention_sm80.cu, block_sparse_sm80.cu).
+// Kernel parameters from validated TensorViews: the row strides of [B, S, H, D] / [T, H, D]
+// views and the fields every attention launch fills the same way (host code of dispatch/).
 #pragma once
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <cuda_runtime.h>
-
 #include <cstdint>
-#include <type_traits>
 
+#include "cuda/common/params.h"
 #include "vidattn/tensor_view.h"
-#include "launch.h"
-#include "params.h"
 
-namespace vidattn::cuda_sm80 {
-
-// Makes q's device current for the calls in scope, and restores the caller's.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    check_cuda(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check_cuda(cudaSetDevice(device), "cudaSetDevice");
-    else previous_ = -1;
-  }
-  ~DeviceScope() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  DeviceScope(const DeviceScope&) = delete;
-  DeviceScope& operator=(const DeviceScope&) = delete;
-
- private:
-  int previous_ = -1;
-};
+namespace vidattn::cuda_common {
 
 inline RowStrides token_strides(const TensorView& t, bool varlen) {
   if (varlen) return {0, t.stride[0], t.stride[1]};
@@ -85,16 +62,4 @@ inline AttentionParams layout_params(const TensorView& q, const TensorView& k,
   return kp;
 }
 
-// Calls launch(T{}, integral_constant<D>) for the (dtype, head dim) pair; both checked before.
-template <class Launch>
-void dispatch_dtype_head_dim(bool bf16, std::int64_t head_dim, Launch&& launch) {
-  if (head_dim == 64) {
-    if (bf16) launch(__nv_bfloat16{}, std::integral_constant<int, 64>{});
-    else launch(__half{}, std::integral_constant<int, 64>{});
-  } else {
-    if (bf16) launch(__nv_bfloat16{}, std::integral_constant<int, 128>{});
-    else launch(__half{}, std::integral_constant<int, 128>{});
-  }
-}
-
-}  // namespace vidattn::cuda_sm80
+}  // namespace vidattn::cuda_common

@@ -1,6 +1,7 @@
-// Host entry points of the CUDA dense attention (sm_80 and newer): checks what this backend
-// supports, turns the validated TensorViews into kernel parameters and dispatches on
-// (dtype, head dim). Nothing here synchronises with the device.
+// The CUDA dense attention entry points (detail::cuda_attention_*, core/backends.h): what the
+// CUDA backend supports, the kernel parameters from the validated TensorViews, and the one
+// choice between the sm_90a kernels (attention/sm90) and the portable ones (attention/sm80).
+// Nothing here synchronises with the device.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -10,44 +11,26 @@
 #include <string>
 #include <utility>
 
-#include "../../core/backends.h"
-#include "../../core/check.h"
-#include "../device_workspace.h"
-#include "../sm90/sm90_dispatch.h"
-#include "../sm90/sm90_fwd_launch.h"
-#include "../sm90/sm90_fwd_pack_padding.h"
-#include "host_common.h"
-#include "launch.h"
-#include "params.h"
-
-namespace vidattn::cuda_sm80 {
-
-void check_cuda(cudaError_t status, const char* what) {
-  if (status != cudaSuccess)
-    throw std::runtime_error(std::string("vidattn (CUDA): ") + what + " failed: " +
-                             cudaGetErrorName(status) + ": " + cudaGetErrorString(status));
-}
-
-int current_sm_count() {
-  int device = 0, count = 0;
-  check_cuda(cudaGetDevice(&device), "cudaGetDevice");
-  check_cuda(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device),
-             "cudaDeviceGetAttribute (multiprocessors)");
-  return count;
-}
-
-}  // namespace vidattn::cuda_sm80
+#include "core/backends.h"
+#include "core/check.h"
+#include "cuda/attention/sm80/launch.h"
+#include "cuda/attention/sm90/fwd_launch.h"
+#include "cuda/attention/sm90/pack_padding.h"
+#include "cuda/common/device_guard.h"
+#include "cuda/common/dtype_dispatch.h"
+#include "cuda/common/host_params.h"
+#include "cuda/common/params.h"
+#include "cuda/common/workspace.h"
+#include "sm90_support.h"
 
 namespace vidattn::detail {
 namespace {
 
-using cuda_sm80::AttentionParams;
-using cuda_sm80::RowStrides;
-using cuda_sm80::check_cuda;
-using cuda_sm80::DeviceScope;
-using cuda_sm80::layout_params;
-using cuda_sm80::rows_aligned;
-using cuda_sm80::token_strides;
+using cuda_common::AttentionParams;
+using cuda_common::DeviceGuard;
+using cuda_common::layout_params;
+using cuda_common::rows_aligned;
+using cuda_common::token_strides;
 
 void check_supported(const char* fn, const AttentionProblem& p) {
   if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16)
@@ -93,13 +76,13 @@ AttentionParams base_params(const AttentionProblem& p, const TensorView& q, cons
 bool sm90_dense_fits(const AttentionProblem& p, const AttentionParams& kp, const TensorView& q,
                      const TensorView& k, const TensorView& v, const TensorView& out) {
 #ifdef VIDATTN_WITH_CUTLASS
-  if (!cuda_sm90::sm90_path_enabled(p.device.index)) return false;
+  if (!cuda_dispatch::sm90_path_enabled(p.device.index)) return false;
   // Empty sides have nothing to describe to TMA; the portable path handles them.
   if (kp.rows_q <= 0 || kp.rows_k <= 0 || kp.seqlen_q <= 0 || kp.seqlen_k <= 0) return false;
   if (kp.rows_q > INT32_MAX || kp.rows_k > INT32_MAX) return false;
   if (!(kp.scale > 0.f)) return false;  // the softmax folds the scale into a positive max
-  return cuda_sm90::tma_compatible(q) && cuda_sm90::tma_compatible(k) &&
-         cuda_sm90::tma_compatible(v) && cuda_sm90::tma_compatible(out);
+  return cuda_dispatch::tma_compatible(q) && cuda_dispatch::tma_compatible(k) &&
+         cuda_dispatch::tma_compatible(v) && cuda_dispatch::tma_compatible(out);
 #else
   (void)p, (void)kp, (void)q, (void)k, (void)v, (void)out;
   return false;
@@ -108,8 +91,7 @@ bool sm90_dense_fits(const AttentionProblem& p, const AttentionParams& kp, const
 
 template <class Launch>
 void dispatch(const AttentionProblem& p, Launch&& launch) {
-  cuda_sm80::dispatch_dtype_head_dim(p.dtype == DType::kBFloat16, p.head_dim,
-                                     std::forward<Launch>(launch));
+  cuda_common::dispatch_dtype_head_dim(p.dtype, p.head_dim, std::forward<Launch>(launch));
 }
 
 }  // namespace
@@ -120,7 +102,7 @@ void cuda_attention_forward(const AttentionProblem& p, const TensorView& q, cons
   constexpr const char* kFn = "vidattn::attention_forward";
   check_supported(kFn, p);
   if (out.numel() == 0 && lse.numel() == 0) return;
-  const DeviceScope device(p.device.index);
+  const DeviceGuard device(p.device.index);
   AttentionParams kp = base_params(p, q, k, v, out, lse, o);
   kp.out_aligned4 = rows_aligned(out, 4);
   const auto stream = static_cast<cudaStream_t>(o.stream);
@@ -155,7 +137,7 @@ void cuda_attention_backward(const AttentionProblem& p, const TensorView& q,
   constexpr const char* kFn = "vidattn::attention_backward";
   check_supported(kFn, p);
   if (dq.numel() == 0 && dk.numel() == 0) return;
-  const DeviceScope device(p.device.index);
+  const DeviceGuard device(p.device.index);
   AttentionParams kp = base_params(p, q, k, v, out, lse, o);
   kp.grad_out = grad_out.data;
   kp.grad_out_strides = token_strides(grad_out, p.varlen);

@@ -1,5 +1,5 @@
-// Host-side routing helpers of the sm_90a path (CuTe-free): when a device and a tensor view
-// may use it. Included by the dispatching entry points.
+// When a device and a tensor view may take the sm_90a kernels (CuTe-free host code of the
+// dispatch).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -8,10 +8,10 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "../sm80/launch.h"
+#include "cuda/common/check.h"
 #include "vidattn/tensor_view.h"
 
-namespace vidattn::cuda_sm90 {
+namespace vidattn::cuda_dispatch {
 
 // TMA reads tiles: the base 16-byte aligned, every stride of a dimension with more than one
 // entry a multiple of 16 bytes below 2^40 bytes, the last dimension contiguous.
@@ -26,15 +26,9 @@ inline bool tma_compatible(const TensorView& t) {
   return t.ndim == 0 || t.stride[t.ndim - 1] == 1 || t.shape[t.ndim - 1] <= 1;
 }
 
-// The sm_90a path's measuring switches (VIDATTN_SM90_<FEATURE>=0 turns a feature off for an
-// A/B): a feature is on unless the variable's value starts with '0'. Each caller reads its
-// switch once per process (a function-local static).
-inline bool env_switch_on(const char* name) {
-  const char* v = std::getenv(name);
-  return !(v != nullptr && v[0] == '0');
-}
-
-// VIDATTN_DISABLE_SM90=1 keeps sm_90 devices on the portable path (read once per process).
+// The one environment switch of the kernels' host code, a documented kill switch:
+// VIDATTN_DISABLE_SM90=1 keeps sm_90 devices on the portable kernels (read once per process),
+// for a user who meets a problem on the Hopper path and needs to work on meanwhile.
 inline bool sm90_disabled_by_env() {
   static const bool disabled = [] {
     const char* v = std::getenv("VIDATTN_DISABLE_SM90");
@@ -47,11 +41,11 @@ inline bool sm90_disabled_by_env() {
 inline bool sm90_path_enabled(int device) {
   if (sm90_disabled_by_env()) return false;
   int major = 0, minor = 0;
-  cuda_sm80::check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+  cuda_common::check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
                         "cudaDeviceGetAttribute (compute capability)");
-  cuda_sm80::check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+  cuda_common::check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
                         "cudaDeviceGetAttribute (compute capability)");
   return major == 9 && minor == 0;
 }
 
-}  // namespace vidattn::cuda_sm90
+}  // namespace vidattn::cuda_dispatch

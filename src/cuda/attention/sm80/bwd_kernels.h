@@ -6,18 +6,20 @@
 // Both 2 and 3 recompute P = exp(S - LSE) from the same logits the forward computed
 // (softmax_mask.h says why they are bit-identical). kSparse = false: dense (the blocks of a
 // range); kSparse = true: block-sparse, dK/dV over the key tile's k2q list and dQ over the
-// query tile's q2k list, in list order (block_walk.h), so reruns are bit-identical.
+// query tile's q2k list, in list order (key_visit.h), so reruns are bit-identical.
 #pragma once
 
 #include <cstdint>
 
-#include "block_walk.h"
-#include "mma_utils.h"
-#include "params.h"
+#include "cuda/common/mma_utils.h"
+#include "cuda/common/params.h"
+#include "cuda/common/tile_io.h"
+#include "key_visit.h"
 #include "softmax_mask.h"
-#include "tile_io.h"
 
 namespace vidattn::cuda_sm80 {
+
+using namespace cuda_common;  // params, tile I/O and warp math shared with the sm_90a kernels
 
 template <int D>
 struct BwdConfig {
@@ -142,18 +144,18 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
     const auto* q = static_cast<const std::uint16_t*>(p.q) + q_side_offset(p, p.q_strides, seq, 0, h);
     const auto* go = static_cast<const std::uint16_t*>(p.grad_out) +
                      q_side_offset(p, p.grad_out_strides, seq, 0, h);
-    const auto walk = [&] {
+    const auto visit = [&] {
       if constexpr (kSparse) {
-        SparseWalk w = sparse_query_walk(p, b, h, key_tile);
+        SparseVisit w = sparse_query_visit(p, b, h, key_tile);
         if (k_valid <= 0) w.n_steps = 0;
         return w;
       } else {
-        return DenseWalk<BQ>{q_begin, seq.len_q, seq.len_q};
+        return DenseVisit<BQ>{q_begin, seq.len_q, seq.len_q};
       }
     }();
-    const int steps = walk.steps();
-    for (int step = walk.next(0); step < steps; step = walk.next(step + 1)) {
-      const RowBlock qb = walk.block(step);
+    const int steps = visit.steps();
+    for (int step = visit.next(0); step < steps; step = visit.next(step + 1)) {
+      const RowBlock qb = visit.block(step);
       const std::int64_t q0 = qb.start;
       __syncthreads();  // the previous block's tiles are no longer read
       load_tile<BQ, D, C::kDkdvThreads>(q_tile, q + q0 * p.q_strides.row, p.q_strides.row,
@@ -246,9 +248,9 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
   if (q0 >= seq.len_q) return;
   const MaskInfo mask = mask_info(p, seq);
   std::int64_t rows;  // valid query rows (sparse: padded slots are zero-filled, dead rows)
-  const auto walk = query_block_walk<kSparse, BK>(p, seq, mask, b, h, q0, BQ, rows);
-  const int steps = walk.steps();
-  int step = walk.next(0);
+  const auto visit = query_block_visit<kSparse, BK>(p, seq, mask, b, h, q0, BQ, rows);
+  const int steps = visit.steps();
+  int step = visit.next(0);
 
   const auto* q = static_cast<const std::uint16_t*>(p.q) + q_side_offset(p, p.q_strides, seq, q0, h);
   const auto* go = static_cast<const std::uint16_t*>(p.grad_out) +
@@ -258,7 +260,7 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
   load_tile<BQ, D, C::kDqThreads>(q_tile, q, p.q_strides.row, rows, p.aligned16);
   load_tile<BQ, D, C::kDqThreads>(do_tile, go, p.grad_out_strides.row, rows, p.aligned16);
   if (step < steps) {
-    const RowBlock kb = walk.block(step);
+    const RowBlock kb = visit.block(step);
     load_tile<BK, D, C::kDqThreads>(k_tile, k + kb.start * p.k_strides.row, p.k_strides.row,
                                     kb.valid, p.aligned16);
     load_tile<BK, D, C::kDqThreads>(v_tile, v + kb.start * p.v_strides.row, p.v_strides.row,
@@ -276,7 +278,7 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
   for (int n = 0; n < D / 8; ++n) dq[n][0] = dq[n][1] = dq[n][2] = dq[n][3] = 0.f;
 
   while (step < steps) {
-    const RowBlock kb = walk.block(step);
+    const RowBlock kb = visit.block(step);
     const std::int64_t k0 = kb.start;
     float s[BK / 8][4], dp[BK / 8][4];
     qk_logits<T, D, BK>(s, q_tile, warp * 16, k_tile, 0);
@@ -303,9 +305,9 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
       }
     }
     __syncthreads();  // every warp is done with K, V of this block
-    const int next_step = walk.next(step + 1);
+    const int next_step = visit.next(step + 1);
     if (next_step < steps) {
-      const RowBlock nb = walk.block(next_step);
+      const RowBlock nb = visit.block(next_step);
       load_tile<BK, D, C::kDqThreads>(k_tile, k + nb.start * p.k_strides.row, p.k_strides.row,
                                       nb.valid, p.aligned16);
       load_tile<BK, D, C::kDqThreads>(v_tile, v + nb.start * p.v_strides.row, p.v_strides.row,

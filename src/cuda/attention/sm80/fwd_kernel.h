@@ -2,18 +2,20 @@
 // warp owns 32 query rows (two m16 tiles); key/value blocks stream through shared memory with
 // cp.async (the V load overlaps Q K^T, the next K load overlaps P V). One mainloop for dense
 // attention (kSparse = false: the key blocks of a range) and block-sparse attention
-// (kSparse = true: the key tiles of the query tile's q2k list, block_walk.h).
+// (kSparse = true: the key tiles of the query tile's q2k list, key_visit.h).
 #pragma once
 
 #include <cstdint>
 
-#include "block_walk.h"
-#include "mma_utils.h"
-#include "params.h"
+#include "cuda/common/mma_utils.h"
+#include "cuda/common/params.h"
+#include "cuda/common/tile_io.h"
+#include "key_visit.h"
 #include "softmax_mask.h"
-#include "tile_io.h"
 
 namespace vidattn::cuda_sm80 {
+
+using namespace cuda_common;  // params, tile I/O and warp math shared with the sm_90a kernels
 
 template <int D, int BLOCK_Q = 128>
 struct FwdConfig {
@@ -54,9 +56,9 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
   // Valid query rows of the block (the rest are zero-filled and written as empty rows) and
   // the key blocks they visit.
   std::int64_t rows;
-  const auto walk = query_block_walk<kSparse, BK>(p, seq, mask, b, h, q0, BQ, rows);
-  const int steps = walk.steps();
-  int step = walk.next(0);
+  const auto visit = query_block_visit<kSparse, BK>(p, seq, mask, b, h, q0, BQ, rows);
+  const int steps = visit.steps();
+  int step = visit.next(0);
 
   const auto* q = static_cast<const std::uint16_t*>(p.q) + q_side_offset(p, p.q_strides, seq, q0, h);
   const auto* k = static_cast<const std::uint16_t*>(p.k) + k_side_offset(p, p.k_strides, seq, 0, hk);
@@ -64,7 +66,7 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
 
   load_tile<BQ, D, C::kThreads>(q_tile, q, p.q_strides.row, rows, p.aligned16);
   if (step < steps) {
-    const RowBlock kb = walk.block(step);
+    const RowBlock kb = visit.block(step);
     load_tile<BK, D, C::kThreads>(k_tile, k + kb.start * p.k_strides.row, p.k_strides.row,
                                   kb.valid, p.aligned16);
   }
@@ -85,7 +87,7 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
   const std::int64_t q_row = q0 + warp_row0 + (lane >> 2);  // + 16 * mt + 8 * half
 
   while (step < steps) {
-    const RowBlock kb = walk.block(step);
+    const RowBlock kb = visit.block(step);
     const std::int64_t k0 = kb.start;
     // K(k0) is resident; fetch V(k0) behind the logits.
     load_tile<BK, D, C::kThreads>(v_tile, v + k0 * p.v_strides.row, p.v_strides.row, kb.valid,
@@ -149,9 +151,9 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
 
     cp_async_wait_all();
     __syncthreads();  // V(k0) resident; every warp is done reading K(k0)
-    const int next_step = walk.next(step + 1);
+    const int next_step = visit.next(step + 1);
     if (next_step < steps) {
-      const RowBlock nb = walk.block(next_step);
+      const RowBlock nb = visit.block(next_step);
       load_tile<BK, D, C::kThreads>(k_tile, k + nb.start * p.k_strides.row, p.k_strides.row,
                                     nb.valid, p.aligned16);
       cp_async_commit();

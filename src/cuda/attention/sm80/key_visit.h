@@ -1,22 +1,24 @@
 // Which blocks of 64 keys (or queries) a mainloop visits. Dense and block-sparse attention
-// share one mainloop per kernel; only the walk differs:
+// share one mainloop per kernel; only the key-visit policy differs:
 //   dense:  the blocks of a row range, in order (every step is a block);
 //   sparse: the query tile's q2k list (forward, dQ) or the key tile's k2q list (dK/dV), each
 //           tile expanded into its tile_volume / 64 blocks; blocks without a valid row (tiles
 //           of size 0, the empty tail of a partial tile, ids out of range) are skipped.
-// A walk is read with: i = walk.next(0); while (i < walk.steps()) { b = walk.block(i); ...;
-// i = walk.next(i + 1); }.
+// A visit is read with: i = visit.next(0); while (i < visit.steps()) { b = visit.block(i); ...;
+// i = visit.next(i + 1); }.
 #pragma once
 
 #include <cstdint>
 
-#include "params.h"
+#include "cuda/common/params.h"
+#include "cuda/common/tile_io.h"
 #include "softmax_mask.h"
-#include "tile_io.h"
 
 namespace vidattn::cuda_sm80 {
 
-constexpr int kSparseBlock = 64;  // rows of a key / query block of the sparse walks
+using namespace cuda_common;  // params, tile I/O and warp math shared with the sm_90a kernels
+
+constexpr int kSparseBlock = 64;  // rows of a key / query block of the sparse visits
 
 // Rows [start, start + valid) of a block are real; the rest of its 64 rows are masked out.
 struct RowBlock {
@@ -37,7 +39,7 @@ __device__ __forceinline__ int tile_size(const std::int32_t* sizes, std::int64_t
 // Blocks of BLOCK rows covering [begin, end); rows past `limit` (the sequence's end) are not
 // loaded (load_tile zero-fills them), rows in [end, limit) are loaded and masked.
 template <int BLOCK>
-struct DenseWalk {
+struct DenseVisit {
   std::int64_t begin = 0, end = 0, limit = 0;
   __device__ __forceinline__ int steps() const {
     return end > begin ? static_cast<int>((end - begin + BLOCK - 1) / BLOCK) : 0;
@@ -52,7 +54,7 @@ struct DenseWalk {
 // ---- sparse -----------------------------------------------------------------------------
 
 // A list of tile ids (strided int32), each expanded into 1 << shift blocks of 64 rows.
-struct SparseWalk {
+struct SparseVisit {
   const std::int32_t* list = nullptr;
   std::int64_t stride = 0;
   const std::int32_t* sizes = nullptr;  // block sizes of the listed tiles
@@ -88,10 +90,10 @@ __device__ __forceinline__ std::int64_t sparse_query_rows(const AttentionParams&
 
 // The key blocks of query tile q0 / tile_volume of (batch b, query head h); no steps when the
 // query block has no valid row.
-__device__ __forceinline__ SparseWalk sparse_key_walk(const AttentionParams& p, int b, int h,
+__device__ __forceinline__ SparseVisit sparse_key_visit(const AttentionParams& p, int b, int h,
                                                       std::int64_t q0, std::int64_t rows) {
   const std::int64_t t = q0 / p.tile_volume;
-  SparseWalk w;
+  SparseVisit w;
   w.list = p.q2k_index + b * p.q2k_index_strides[0] + h * p.q2k_index_strides[1] +
            t * p.q2k_index_strides[2];
   w.stride = p.q2k_index_strides[3];
@@ -109,7 +111,7 @@ __device__ __forceinline__ SparseWalk sparse_key_walk(const AttentionParams& p, 
 
 // The query blocks that selected key tile `kt` for (batch b, query head h): the k2q CSR row,
 // offsets clamped into the index.
-__device__ __forceinline__ SparseWalk sparse_query_walk(const AttentionParams& p, int b, int h,
+__device__ __forceinline__ SparseVisit sparse_query_visit(const AttentionParams& p, int b, int h,
                                                         std::int64_t kt) {
   const std::int32_t* off = p.k2q_offsets + b * p.k2q_offsets_strides[0] +
                             h * p.k2q_offsets_strides[1];
@@ -118,7 +120,7 @@ __device__ __forceinline__ SparseWalk sparse_query_walk(const AttentionParams& p
   std::int64_t end = off[(kt + 1) * p.k2q_offsets_strides[2]];
   begin = clamp64(begin, 0, total);
   end = clamp64(end, begin, total);
-  SparseWalk w;
+  SparseVisit w;
   w.list = p.k2q_index + b * p.k2q_index_strides[0] + h * p.k2q_index_strides[1] +
            begin * p.k2q_index_strides[2];
   w.stride = p.k2q_index_strides[2];
@@ -135,16 +137,16 @@ __device__ __forceinline__ SparseWalk sparse_query_walk(const AttentionParams& p
 // the dQ pass walk alike), and through `rows` its valid query rows (sparse: padded query
 // slots are dead rows).
 template <bool kSparse, int BK>
-__device__ __forceinline__ auto query_block_walk(const AttentionParams& p, const Sequence& seq,
+__device__ __forceinline__ auto query_block_visit(const AttentionParams& p, const Sequence& seq,
                                                  const MaskInfo& mask, int b, int h,
                                                  std::int64_t q0, int block_rows,
                                                  std::int64_t& rows) {
   if constexpr (kSparse) {
     rows = sparse_query_rows(p, q0, block_rows);
-    return sparse_key_walk(p, b, h, q0, rows);
+    return sparse_key_visit(p, b, h, q0, rows);
   } else {
     rows = seq.len_q - q0 < block_rows ? seq.len_q - q0 : block_rows;
-    return DenseWalk<BK>{0, key_end(mask, q0, rows), seq.len_k};
+    return DenseVisit<BK>{0, key_end(mask, q0, rows), seq.len_k};
   }
 }
 

@@ -1,13 +1,15 @@
 // Launchers of the sm_80 attention kernels, one explicit instantiation per (direction, dtype,
-// head dim, variant) in its own .cu file (fwd_*.cu, bwd_*.cu, sparse_*.cu; written by
-// tools/gen_sm80_instances.py) so that the builds run in parallel.
+// head dim, variant) in its own .cu file (instances/attn_*_sm80.cu; written by
+// tools/codegen/gen_sm80_instances.py) so that the builds run in parallel.
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include "params.h"
+#include "cuda/common/params.h"
 
 namespace vidattn::cuda_sm80 {
+
+using namespace cuda_common;  // params, tile I/O and warp math shared with the sm_90a kernels
 
 // T is __nv_bfloat16 or __half; D is 64 or 128 (Dv == D). Asynchronous on `stream`; throws
 // std::runtime_error when a launch fails.
@@ -27,11 +29,5 @@ void launch_block_sparse_forward(const AttentionParams& p, cudaStream_t stream);
 // Needs p.delta and the k2q CSR (p.k2q_offsets, p.k2q_index) besides the forward's fields.
 template <class T, int D>
 void launch_block_sparse_backward(const AttentionParams& p, cudaStream_t stream);
-
-// Throws std::runtime_error naming `what` when `status` is an error.
-void check_cuda(cudaError_t status, const char* what);
-
-// Multiprocessors of the current device (throws like check_cuda).
-int current_sm_count();
 
 }  // namespace vidattn::cuda_sm80

@@ -7,10 +7,13 @@
 #include <cstdint>
 
 #include "bwd_kernels.h"
+#include "cuda/common/check.h"
 #include "fwd_kernel.h"
 #include "launch.h"
 
 namespace vidattn::cuda_sm80 {
+
+using namespace cuda_common;  // params, tile I/O and warp math shared with the sm_90a kernels
 
 namespace launch_detail {
 

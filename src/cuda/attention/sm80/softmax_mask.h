@@ -6,11 +6,13 @@
 
 #include <cstdint>
 
-#include "mma_utils.h"
-#include "params.h"
-#include "tile_io.h"
+#include "cuda/common/mma_utils.h"
+#include "cuda/common/params.h"
+#include "cuda/common/tile_io.h"
 
 namespace vidattn::cuda_sm80 {
+
+using namespace cuda_common;  // params, tile I/O and warp math shared with the sm_90a kernels
 
 // S[16 x KEYS] of one warp: rows [a_row0, a_row0 + 16) of the shared A tile times rows
 // [b_row0, b_row0 + KEYS) of the shared B tile, both row-major [row][d] and swizzled with

@@ -18,9 +18,9 @@
 
 #include <cutlass/arch/barrier.h>
 
-#include "../dtype_io.cuh"
-#include "../sm80/tile_io.h"
-#include "sm90_fwd_kernel_params.h"
+#include "cuda/common/dtype_io.cuh"
+#include "cuda/common/tile_io.h"
+#include "fwd_kernel_params.h"
 
 namespace vidattn::cuda_sm90 {
 
@@ -30,11 +30,11 @@ namespace vidattn::cuda_sm90 {
 // 10 spills per key block; as a call, 2, and the fused kernel ran 1% faster (perf-notes, v17).
 template <class Traits>
 __device__ __noinline__ void combine_tile(const FwdKernelParams<Traits>& p,
-                                          const cuda_sm80::Sequence& seq, std::int64_t q0,
+                                          const cuda_common::Sequence& seq, std::int64_t q0,
                                           int head, int batch, int lane) {
   using T = std::conditional_t<cute::is_same_v<typename Traits::Element, cutlass::bfloat16_t>,
                                __nv_bfloat16, __half>;
-  using Io = detail::Io<T>;
+  using Io = cuda_common::Io<T>;
   // 16-byte chunks: 8-byte ones (half the registers) ran the 480p op 1.7% slower.
   constexpr int kVec = 8;  // elements per chunk
   using Chunk = uint4;
@@ -57,13 +57,13 @@ __device__ __noinline__ void combine_tile(const FwdKernelParams<Traits>& p,
   const int first = lane / kChunksPerRow;
   const T* fine =
       static_cast<const T*>(p.attn.out) + chunk * kVec +
-      cuda_sm80::q_side_offset(p.attn, p.attn.out_strides, seq, q0 + first, head);
+      cuda_common::q_side_offset(p.attn, p.attn.out_strides, seq, q0 + first, head);
   const T* gate =
       c.gate ? static_cast<const T*>(c.gate) + chunk * kVec +
-                   cuda_sm80::q_side_offset(p.attn, c.gate_strides, seq, q0 + first, head)
+                   cuda_common::q_side_offset(p.attn, c.gate_strides, seq, q0 + first, head)
              : nullptr;
   T* out = static_cast<T*>(c.out) + chunk * kVec +
-           cuda_sm80::q_side_offset(p.attn, c.out_strides, seq, q0 + first, head);
+           cuda_common::q_side_offset(p.attn, c.out_strides, seq, q0 + first, head);
 #pragma unroll 1
   for (int r = first; r < kRows; r += kRowsPerPass) {
     // fine was written by this kernel's consumers: a coherent load (from L2), not the
@@ -109,7 +109,7 @@ __device__ __forceinline__ void combine_loop(const FwdKernelParams<Traits>& p,
     item = __shfl_sync(0xffffffffu, item, 0);
     if (item < 0) break;
     const TileCoord tc = p.items.decode(item);
-    const cuda_sm80::Sequence seq = cuda_sm80::sequence_of(p.attn, tc.batch);
+    const cuda_common::Sequence seq = cuda_common::sequence_of(p.attn, tc.batch);
     combine_tile<Traits>(p, seq, static_cast<std::int64_t>(tc.m_block) * Traits::kBlockMStream,
                          tc.head, tc.batch, lane);
   }

@@ -10,16 +10,16 @@
 
 #include <cstdint>
 
-#include "../sm80/softmax_mask.h"
-#include "../sm80/tile_io.h"
-#include "sm90_fwd_kernel_params.h"
-#include "sm90_fwd_output_stsm.h"
-#include "sm90_fwd_params.h"
-#include "sm90_fwd_softmax.h"
+#include "cuda/common/mma_utils.h"
+#include "cuda/common/tile_io.h"
+#include "fwd_kernel_params.h"
+#include "fwd_output_stsm.h"
+#include "fwd_params.h"
+#include "fwd_softmax.h"
 
 namespace vidattn::cuda_sm90 {
 
-using cuda_sm80::Sequence;
+using cuda_common::Sequence;
 
 template <class Element>
 __device__ __forceinline__ std::uint32_t pack_pair(float x, float y) {
@@ -58,7 +58,7 @@ struct OutputRow {
   bool valid, empty;
 };
 
-// quad_row_sum: the row's sum over its quad (cuda_sm80::quad_sum, which every lane runs).
+// quad_row_sum: the row's sum over its quad (cuda_common::quad_sum, which every lane runs).
 __device__ __forceinline__ OutputRow end_output_row(const AttentionParams& p, const Sequence& seq,
                                                     std::int64_t i, float quad_row_sum,
                                                     std::int64_t row_limit) {
@@ -87,7 +87,7 @@ __device__ __forceinline__ float natural_lse(float row_max, float log2_sum) {
 // absolute): logf's ~30 instructions ran once per row in every tile's epilogue.
 __device__ __forceinline__ void store_lse(const AttentionParams& p, const Sequence& seq, int h,
                                           const OutputRow& row, float row_max) {
-  p.lse[cuda_sm80::q_side_offset(p, p.lse_strides, seq, row.i, h)] =
+  p.lse[cuda_common::q_side_offset(p, p.lse_strides, seq, row.i, h)] =
       row.empty ? -INFINITY : natural_lse(row_max, __log2f(row.sum));
 }
 
@@ -109,8 +109,8 @@ __device__ __forceinline__ void write_output_octets(const AttentionParams& p, co
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const OutputRow row = end_output_row(p, seq, q0 + cute::get<0>(coords(2 * r)),
-                                         cuda_sm80::quad_sum(sm.row_sum[r]), row_limit);
-    std::uint16_t* dst = out + cuda_sm80::q_side_offset(p, p.out_strides, seq, row.i, h);
+                                         cuda_common::quad_sum(sm.row_sum[r]), row_limit);
+    std::uint16_t* dst = out + cuda_common::q_side_offset(p, p.out_strides, seq, row.i, h);
     const int col0 = cute::get<1>(coords(2 * r)) - 2 * quad_lane;  // column of octet 0
 #pragma unroll
     for (int g = 0; g < kVals / 16; ++g) {
@@ -152,7 +152,7 @@ __device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits
   const AttentionParams& a = p.attn;
   const int lane = threadIdx.x & 31;
   float sum[2], inv[2];
-  for (int r = 0; r < 2; ++r) sum[r] = cuda_sm80::quad_sum(sm.row_sum[r]);
+  for (int r = 0; r < 2; ++r) sum[r] = cuda_common::quad_sum(sm.row_sum[r]);
   // Plain rows, the usual case: the warpgroup's 64 rows exist, none is a padded query or past
   // row_limit, and each saw a key (sum > 0). Then no row needs zeros, and the normaliser is
   // MUFU's reciprocal alone, its log2 too: the base is at or below the row's max, whose key
@@ -162,12 +162,12 @@ __device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits
   const bool plain = __all_sync(0xffffffffu, sum[0] > 0.f && sum[1] > 0.f) && rows_exist;
   std::uint32_t out32[kPairs];
   if (plain) {
-    for (int r = 0; r < 2; ++r) inv[r] = cuda_sm80::rcp_approx(sum[r]);
+    for (int r = 0; r < 2; ++r) inv[r] = cuda_common::rcp_approx(sum[r]);
     if ((lane & 3) == 0) {
-      float* lse = a.lse + cuda_sm80::q_side_offset(a, a.lse_strides, seq, q0, h);
+      float* lse = a.lse + cuda_common::q_side_offset(a, a.lse_strides, seq, q0, h);
       for (int r = 0; r < 2; ++r)
         lse[get<0>(coords(2 * r)) * a.lse_strides.row] =
-            natural_lse(sm.row_max[r], cuda_sm80::log2_approx(sum[r]));
+            natural_lse(sm.row_max[r], cuda_common::log2_approx(sum[r]));
     }
 #pragma unroll
     for (int j = 0; j < kPairs; ++j)
@@ -248,7 +248,7 @@ __device__ __forceinline__ void combine_split_piece(typename Traits::StreamStora
     const float base = top == -INFINITY ? 0.f : top;  // every part empty: all factors 0
     float f[3];
 #pragma unroll
-    for (int w = 0; w < 3; ++w) f[w] = cuda_sm80::exp2_approx(m[w] - base);
+    for (int w = 0; w < 3; ++w) f[w] = cuda_common::exp2_approx(m[w] - base);
     scale[r] = f[wg];
     if (wg == 0) {
       sm.row_max[r] = top;

@@ -8,8 +8,8 @@
 #include <cute/arch/cluster_sm90.hpp>
 #include <cutlass/arch/reg_reconfig.h>
 
-#include "sm90_fwd_combine.h"
-#include "sm90_fwd_mainloop.h"
+#include "fwd_combine.h"
+#include "fwd_mainloop.h"
 
 namespace vidattn::cuda_sm90 {
 

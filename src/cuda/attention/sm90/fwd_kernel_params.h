@@ -5,10 +5,10 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "sm90_fwd_params.h"
-#include "sm90_fwd_prefix_loads.h"
-#include "sm90_fwd_traits.h"
-#include "sm90_tile_scheduler.h"
+#include "fwd_params.h"
+#include "fwd_prefix_loads.h"
+#include "fwd_traits.h"
+#include "tile_scheduler.h"
 
 namespace vidattn::cuda_sm90 {
 
@@ -22,16 +22,13 @@ struct FwdKernelParams {
   // Extents of the TMA views (rows, heads, batch): batched (S, H, B); varlen (T, H, 1).
   int q_rows = 0, kv_rows = 0, tma_batch = 0;
   TileScheduler sched;
-  bool pingpong = true;  // two-warpgroup streams take turns issuing their products
-  float rescale_slack = 8.f;  // OnlineSoftmax::slack
   StreamItems items;          // Traits::kStreamItems only
   CombineArgs combine;        // Traits::kFusedCombine only
   std::conditional_t<Traits::kPrefixLoads, PrefixLoadMaps, NoPrefixLoadMaps> prefix;
-  // Traits::kTmaStoreO: the output's store descriptor, unless VIDATTN_SM90_TMA_STORE_O=0 (then
-  // the threads store the output themselves, as they do for a varlen sequence's last rows).
+  // Traits::kTmaStoreO: the output's store descriptor (a varlen sequence's last rows are
+  // stored by the threads themselves).
   struct NoTmaO {};
   std::conditional_t<Traits::kTmaStoreO, typename Traits::TmaO, NoTmaO> tma_o;
-  bool store_o_by_tma = false;
   // Traits::kSplitTail: which tiles run as 64-row pieces, and the pieces' Q load (last, so that
   // the other kernels keep their parameter layout).
   struct NoSplitTail {};

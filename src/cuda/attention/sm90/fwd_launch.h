@@ -1,12 +1,13 @@
 // Launchers of the sm_90a (Hopper) attention forward. One explicit instantiation per
-// (dtype, head dim, variant) lives in its own generated .cu (tools/gen_sm90_instances.py), so
-// the build runs in parallel and a subset builds alone. This header is CuTe-free: the host
-// dispatch (src/cuda/sm80/attention_sm80.cu) includes it.
+// (dtype, head dim, variant) lives in its own generated .cu under instances/
+// (tools/codegen/gen_sm90_instances.py), so the build runs in parallel and a subset builds
+// alone. This header is CuTe-free: the host dispatch (dispatch/attention.cu,
+// dispatch/block_sparse.cu) includes it.
 #pragma once
 
 #include <cuda_runtime.h>
 
-#include "sm90_fwd_params.h"
+#include "fwd_params.h"
 
 namespace vidattn::cuda_sm90 {
 
@@ -16,7 +17,7 @@ namespace vidattn::cuda_sm90 {
 // std::runtime_error when a launch fails.
 //
 // Dense (batched or varlen, masks, causal, GQA). Preconditions the caller checks
-// (sm90_dense_fits in attention_sm80.cu): q, k, v, out rows 16-byte aligned, every stride a
+// (sm90_dense_fits in dispatch/attention.cu): q, k, v, out rows 16-byte aligned, every stride a
 // multiple of 8 elements, Sq > 0, Sk > 0, scale > 0.
 template <class T, int D>
 bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream);

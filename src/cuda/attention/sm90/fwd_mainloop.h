@@ -10,7 +10,7 @@
 //    registers). The softmax of block i overlaps the P V product of block i - 1: the QK^T
 //    product of block i and the PV product of block i - 1 are issued back to back, the
 //    softmax waits only for the first (wgmma.wait_group 1).
-// The key-visit policy (DenseKeyRange / SparseKeyList, sm90_fwd_mask.h) is the only difference
+// The key-visit policy (DenseVisit / SparseVisit, key_visit.h) is the only difference
 // between dense and block-sparse.
 #pragma once
 
@@ -18,11 +18,11 @@
 #include <cute/arch/cluster_sm90.hpp>
 #include <cutlass/arch/barrier.h>
 
-#include "sm90_fwd_epilogue.h"
-#include "sm90_fwd_kernel_params.h"
-#include "sm90_fwd_mask.h"
-#include "sm90_fwd_softmax.h"
-#include "sm90_fwd_tile.h"
+#include "fwd_epilogue.h"
+#include "fwd_kernel_params.h"
+#include "key_visit.h"
+#include "fwd_softmax.h"
+#include "fwd_tile.h"
 
 namespace vidattn::cuda_sm90 {
 
@@ -50,7 +50,7 @@ __device__ __forceinline__ StreamTile stream_tile(const FwdKernelParams<Traits>&
     t.active = false;
     return t;
   }
-  t.seq = cuda_sm80::sequence_of(p.attn, c.batch);
+  t.seq = cuda_common::sequence_of(p.attn, c.batch);
   t.q0 = static_cast<std::int64_t>(c.m_block) * Traits::kBlockM +
          (c.piece >= 0 ? 64 * c.piece : stream * Traits::kBlockMStream);
   t.head = c.head;
@@ -66,7 +66,7 @@ __device__ __forceinline__ StreamTile stream_item(const FwdKernelParams<Traits>&
   const TileCoord c = p.items.decode(item);
   StreamTile t;
   t.piece = -1;
-  t.seq = cuda_sm80::sequence_of(p.attn, c.batch);
+  t.seq = cuda_common::sequence_of(p.attn, c.batch);
   t.q0 = static_cast<std::int64_t>(c.m_block) * Traits::kBlockMStream;
   t.head = c.head;
   t.batch = c.batch;
@@ -284,8 +284,8 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
 struct PingPong {
   bool on;
   int self_bar, next_bar;
-  __device__ __forceinline__ PingPong(bool enabled, int wg, int wgs, int stream) {
-    on = enabled && wgs > 1;
+  __device__ __forceinline__ PingPong(int wg, int wgs, int stream) {
+    on = wgs > 1;
     const int base = 8 + stream * wgs;
     self_bar = base + wg;
     next_bar = base + (wg + 1 == wgs ? 0 : wg + 1);
@@ -362,7 +362,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     }
   };
 
-  const PingPong turns(p.pingpong, wg, Traits::kWGPerStream, stream);
+  const PingPong turns(wg, Traits::kWGPerStream, stream);
   // Frees a K / V slot. kClusterM > 1: every CTA of the cluster loads into it, so lane c of
   // each warp tells CTA c (after wgmma.wait_group, which the warp runs converged).
   auto release = [&](uint64_t* empty) {
@@ -427,7 +427,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       return limit;
     };
     std::int64_t row_limit = query_row_limit();
-    OnlineSoftmax softmax(p.attn.scale, p.rescale_slack);
+    OnlineSoftmax softmax(p.attn.scale);
     float alpha[2];
     // The normalised output of tOrO, as the 64 rows from q0 + 64 rows_wg: by TMA from shared memory
     // (Traits::kTmaStoreO), or each thread's own stores (a varlen sequence that ends inside
@@ -435,7 +435,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     auto write_output = [&](int rows_wg) __attribute__((always_inline)) {
       bool stored = false;
       if constexpr (Traits::kTmaStoreO) {
-        if (p.store_o_by_tma && (!p.attn.varlen || t.q0 + 64 * (rows_wg + 1) <= t.seq.len_q)) {
+        if (Traits::kTmaStoreO && (!p.attn.varlen || t.q0 + 64 * (rows_wg + 1) <= t.seq.len_q)) {
           write_output_by_tma<Traits>(p, st, t.seq, t.head, p.attn.varlen ? 0 : t.batch, t.q0,
                                       tOrO, tOcO, softmax, row_limit, rows_wg, tid % 128);
           stored = true;

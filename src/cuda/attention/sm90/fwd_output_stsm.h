@@ -1,5 +1,5 @@
 // Where each thread's stmatrix stores put the output accumulator in a warpgroup's 64 x D
-// shared-memory slot before the TMA store (sm90_fwd_epilogue.h). Torch- and cute-free, so the
+// shared-memory slot before the TMA store (fwd_epilogue.h). Torch- and cute-free, so the
 // host test tests/cpp/test_sm90_output_stsm.cpp can check it against cute's layout.
 #pragma once
 

@@ -1,16 +1,16 @@
-// Torch-free, CuTe-free parameters of the sm_90a attention forward that the host code outside
-// src/cuda/sm90 fills: the dense problem reuses the sm_80 AttentionParams (pointers, strides,
+// Torch-free, CuTe-free parameters of the sm_90a attention forward that the host code of
+// dispatch/ fills: the dense problem reuses the common AttentionParams (pointers, strides,
 // masks, varlen offsets); the block-sparse variant adds the key-tile lists.
 #pragma once
 
 #include <cstdint>
 
-#include "../sm80/params.h"
+#include "cuda/common/params.h"
 
 namespace vidattn::cuda_sm90 {
 
-using cuda_sm80::AttentionParams;
-using cuda_sm80::RowStrides;
+using cuda_common::AttentionParams;
+using cuda_common::RowStrides;
 
 // Block-sparse key lists (index-native VSA format, spec/vsa.md section 4). The query and key
 // sequences are in the tiled layout: tile t holds slots [t * tile_volume, (t + 1) * tile_volume),
@@ -34,9 +34,9 @@ struct SparseKeyListArgs {
 // 16-byte aligned rows (the launcher checks).
 struct CombineArgs {
   void* out = nullptr;
-  cuda_sm80::RowStrides out_strides;    // [B, Sq, Hq, D] like fine
+  cuda_common::RowStrides out_strides;    // [B, Sq, Hq, D] like fine
   const void* gate = nullptr;
-  cuda_sm80::RowStrides gate_strides;
+  cuda_common::RowStrides gate_strides;
   const void* coarse = nullptr;         // [B, Qtiles, Hq, D]
   std::int64_t coarse_batch = 0, coarse_tile = 0, coarse_head = 0;
 };

@@ -7,8 +7,8 @@
 
 #include <cmath>
 
-#include "../sm80/mma_utils.h"
-#include "../sm80/softmax_mask.h"
+#include "cuda/common/mma_utils.h"
+#include "cuda/common/mma_utils.h"
 
 namespace vidattn::cuda_sm90 {
 
@@ -20,15 +20,12 @@ struct OnlineSoftmax {
   // The base moves only when a block's max exceeds it by more than this (log2 units):
   // probabilities stay <= 2^slack (fine for fp32 sums and 16-bit P), and the output
   // accumulator is rescaled on the few blocks that move it instead of on every block. The
-  // result is the same math: numerator and denominator share the base. Negative: the base
-  // follows every new max (the textbook online softmax).
-  float slack;
-  float sum_limit;  // 2^slack: no probability above it leaves the base in place
+  // result is the same math: numerator and denominator share the base.
+  static constexpr float slack = 8.f;
+  static constexpr float sum_limit = 256.f;  // 2^slack: no probability above it leaves the base in place
 
-  __device__ __forceinline__ explicit OnlineSoftmax(float scale, float rescale_slack) {
-    scale_log2 = scale * cuda_sm80::kLog2e;
-    slack = rescale_slack;
-    sum_limit = exp2f(rescale_slack);
+  __device__ __forceinline__ explicit OnlineSoftmax(float scale) {
+    scale_log2 = scale * cuda_common::kLog2e;
     row_max[0] = row_max[1] = -INFINITY;
     row_sum[0] = row_sum[1] = 0.f;
   }
@@ -44,8 +41,8 @@ struct OnlineSoftmax {
 #pragma unroll
     for (int j = 0; j < kCols; ++j) {
       const int v = 4 * j + 2 * r;
-      const float p0 = cuda_sm80::exp2_approx(fmaf(s(v), scale_log2, -base));
-      const float p1 = cuda_sm80::exp2_approx(fmaf(s(v + 1), scale_log2, -base));
+      const float p0 = cuda_common::exp2_approx(fmaf(s(v), scale_log2, -base));
+      const float p1 = cuda_common::exp2_approx(fmaf(s(v + 1), scale_log2, -base));
       sum[(j & 1) * 2] += p0;
       sum[(j & 1) * 2 + 1] += p1;
       put(v, p0, p1);
@@ -98,13 +95,13 @@ struct OnlineSoftmax {
         mx0 = fmaxf(mx0, fmaxf(s(4 * j + 2 * r), s(4 * j + 2 * r + 1)));
         mx1 = fmaxf(mx1, fmaxf(s(4 * j + 4 + 2 * r), s(4 * j + 4 + 2 * r + 1)));
       }
-      const float block_max = cuda_sm80::quad_max(fmaxf(mx0, mx1)) * scale_log2;
+      const float block_max = cuda_common::quad_max(fmaxf(mx0, mx1)) * scale_log2;
       float new_max = row_max[r];
       if (kFirst || block_max > row_max[r] + slack) new_max = fmaxf(row_max[r], block_max);
       // A row with nothing visible yet keeps -inf and adds exp2(-inf) = 0.
       const float base = new_max == -INFINITY ? 0.f : new_max;
       alpha[r] = (kFirst || new_max == row_max[r]) ? 1.f
-                                                   : cuda_sm80::exp2_approx(row_max[r] - base);
+                                                   : cuda_common::exp2_approx(row_max[r] - base);
       moved = moved || alpha[r] != 1.f;
       const float block_sum = exponentiate_row(s, r, base, [&](int v, float p0, float p1) {
         s(v) = p0;

@@ -18,39 +18,26 @@
 #include <cute/arch/mma_sm90.hpp>
 #include <cutlass/numeric_types.h>
 
-#include "sm90_fwd_tile.h"
+#include "fwd_config.h"
+#include "fwd_tile.h"
 
 namespace vidattn::cuda_sm90 {
 
-// kStagesK / kStagesV: ring slots of K and V blocks. kHalfLoads: each kBlockN-key block is
-// filled by two TMA loads of kBlockN / 2 rows from independent places (two key tiles of half
-// the block's size), so the consumers run the full-width products on them. kStreamItems: a
-// persistent grid whose streams take their query tiles one at a time from a global counter
-// (StreamItems, sm90_tile_scheduler.h) instead of CTA-sized tiles by slot. kFusedCombine
-// (with kStreamItems, one 64-row warpgroup per stream): a warp of the producer warpgroup per
-// stream applies VSA's combination to each finished tile (CombineArgs) while the stream's
-// consumers compute the next one. kClusterM (dense, static schedule): CTAs of a cluster of
-// that many run query tiles of one head side by side, each TMA-loading 1 / kClusterM of
-// every K / V block into all of them (multicast), so L2 sends each block once per cluster.
-template <class Element_, int kHeadDim_, int kBlockN_, int kWGPerStream_, int kStreams_,
-          int kStagesK_, int kStagesV_, bool kHalfLoads_ = false, bool kStreamItems_ = false,
-          bool kFusedCombine_ = false, int kClusterM_ = 1, bool kTmaStoreO_ = false>
+// The compile-time shape of one named configuration (fwd_config.h) for one element type.
+template <class Element_, FwdConfig kConfig>
 struct FwdTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
-  static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockN = kBlockN_;
-  static constexpr int kWGPerStream = kWGPerStream_;
-  static constexpr int kStreams = kStreams_;
-  static constexpr int kStagesK = kStagesK_;
-  static constexpr int kStagesV = kStagesV_;
-  static constexpr bool kHalfLoads = kHalfLoads_;
-  static constexpr bool kStreamItems = kStreamItems_;
-  static constexpr bool kFusedCombine = kFusedCombine_;
-  static constexpr int kClusterM = kClusterM_;
-  // kTmaStoreO: each warpgroup writes its 64 output rows into shared memory (stmatrix) and one
-  // of its threads stores them by TMA, instead of 16-byte stores from every thread (short key
-  // loops, where the output is a large share of a tile's work; sm90_fwd_epilogue.h).
-  static constexpr bool kTmaStoreO = kTmaStoreO_;
+  static constexpr int kHeadDim = kConfig.head_dim;
+  static constexpr int kBlockN = kConfig.block_n;
+  static constexpr int kWGPerStream = kConfig.wg_per_stream;
+  static constexpr int kStreams = kConfig.streams;
+  static constexpr int kStagesK = kConfig.stages_k;
+  static constexpr int kStagesV = kConfig.stages_v;
+  static constexpr bool kHalfLoads = kConfig.half_loads;
+  static constexpr bool kStreamItems = kConfig.schedule == Schedule::kStreamItems;
+  static constexpr bool kFusedCombine = kConfig.fused_combine;
+  static constexpr int kClusterM = kConfig.cluster_m;
+  static constexpr bool kTmaStoreO = kConfig.tma_store_o;
   static_assert(!kTmaStoreO || (!kStreamItems && kClusterM == 1),
                 "the TMA output store serves the dense single-CTA kernel");
   // Pairs only: at most 30 clusters of four fit an H200 at once (120 of its 132 SMs: the GPCs'
@@ -66,10 +53,10 @@ struct FwdTraits {
   static constexpr bool kRotatedWalk = kStreamItems && kWGPerStream == 1;
   // kSplitTail: the dense three-warpgroup kernels split the tiles of a grid's last, partly
   // filled round into three 64-row pieces, each run by all three warpgroups over every third
-  // key block and combined in shared memory (SplitTail, sm90_tile_scheduler.h; the consumer
+  // key block and combined in shared memory (SplitTail, tile_scheduler.h; the consumer
   // loop; combine_split_piece): that round then takes about half a tile's time (v32).
   // Dense128Short: D = 128 on three warpgroups of 160 registers over 64-key blocks, for at
-  // most 512 keys (sm90_fwd_launch_impl.h). Two mainloop choices differ for it (perf-notes,
+  // most 512 keys (fwd_launch_impl.h). Two mainloop choices differ for it (perf-notes,
   // Hopper v36 and v37):
   // * kUniformControl: the tile record's loop-steering values made warp-uniform (a shared-
   //   memory read is not uniform to the compiler, which then guards the key loops' warp-
@@ -93,7 +80,7 @@ struct FwdTraits {
   static constexpr bool kSplitTail =
       kWGPerStream == 3 && kStreams == 1 && !kStreamItems && kClusterM == 1 && kTmaStoreO;
   static constexpr int kLoadRows = kHalfLoads ? kBlockN / 2 : kBlockN;  // rows per TMA load
-  // The 64-token kernel loads each key tile only up to its valid keys (sm90_fwd_prefix_loads.h;
+  // The 64-token kernel loads each key tile only up to its valid keys (fwd_prefix_loads.h;
   // -5% at Wan 480p). The 128 / 256-token kernel, which moves half the bytes per FLOP, ran
   // 0.3-0.7% slower with them and keeps whole loads (docs/perf-notes.md, Hopper v20).
   static constexpr bool kPrefixLoads = kHalfLoads && kLoadRows == 64;
@@ -113,7 +100,7 @@ struct FwdTraits {
   // Without setmaxnreg the same consumer code spilled 504 bytes at the 168-register cap of
   // 9-12 warps; with it, none. Three consumer warpgroups (512 threads) get 160 each: at
   // D = 64 the main loop then spills ~11 values per key block and still wins on long key
-  // loops (Dense64WideTraits, sm90_fwd_launch_impl.h).
+  // loops (Dense64WideTraits, fwd_launch_impl.h).
   static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
   // kSpeculativeSoftmax: each key block after a tile's first takes its exponentials against
   // the rows' current bases and checks them afterwards (OnlineSoftmax::speculate), instead of
@@ -195,7 +182,7 @@ struct FwdTraits {
                                                  SmemLayoutQPiece{}));
   // A slot's rows lie 64 elements apart within a 64-column chunk, and its chunks kBlockN * 64
   // elements apart (whole swizzle atoms down the rows first): the offsets the prefix loads
-  // write to (sm90_fwd_prefix_loads.h).
+  // write to (fwd_prefix_loads.h).
   static_assert(SmemLayoutK{}(cute::make_coord(16, 0, 0)) == 16 * 64);
   static_assert(kHeadDim == 64 ||
                 SmemLayoutK{}(cute::make_coord(0, 64, 0)) == kBlockN * 64);
@@ -204,7 +191,7 @@ struct FwdTraits {
       SmemAtom{}, cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kWGPerStream>>{}));
   // 128-byte swizzle of byte addresses (bits 4-6 ^= bits 7-9); before it, 64 elements per
   // row, the 64-column blocks 64 x 64 apart, the warpgroups' slots 64 x D apart. The
-  // epilogue's stmatrix addresses (sm90_fwd_output_stsm.h) rely on it.
+  // epilogue's stmatrix addresses (fwd_output_stsm.h) rely on it.
   static_assert(std::is_same_v<decltype(SmemLayoutO{}.layout_a()), cute::Swizzle<3, 4, 3>> &&
                 sizeof(Element) == 2);
   static_assert(SmemLayoutO{}.layout_b()(cute::make_coord(1, 0, 0)) == 64 &&

@@ -2,33 +2,33 @@
 // asks a policy for the number of key blocks of a query tile and for each block's first key
 // row, how many of its rows exist, and whether it needs the per-element mask at all (most
 // blocks don't: the mask code runs only on partial, diagonal or padded blocks).
-//   DenseKeyRange: blocks 0, 1, ... of the key sequence up to the causal limit; padding masks,
-//                  causal (bottom-right), partial last block.
-//   SparseKeyList: the query tile's list of selected key tiles (q2k_index row), each tile of
-//                  tile_volume slots visited as tile_volume / kBlockN blocks, or (kHalves)
-//                  two tiles of kBlockN / 2 slots per block; slots past kv_block_sizes[tile]
-//                  are masked.
+//   DenseVisit:  blocks 0, 1, ... of the key sequence up to the causal limit; padding masks,
+//                causal (bottom-right), partial last block.
+//   SparseVisit: the query tile's list of selected key tiles (q2k_index row), each tile of
+//                tile_volume slots visited as tile_volume / kBlockN blocks, or (kHalves) two
+//                tiles of kBlockN / 2 slots per block; slots past kv_block_sizes[tile] are
+//                masked.
 #pragma once
 
 #include <cstdint>
 
-#include "../sm80/tile_io.h"
-#include "sm90_fwd_params.h"
+#include "cuda/common/tile_io.h"
+#include "fwd_params.h"
 
 namespace vidattn::cuda_sm90 {
 
-using cuda_sm80::Sequence;
-using cuda_sm80::clamp64;
+using cuda_common::Sequence;
+using cuda_common::clamp64;
 
 struct KeyBlock {
   std::int64_t start = 0;   // sequence row of the block's first key
   int valid = 0;            // keys [start, start + valid) exist; the rest are masked
   bool needs_mask = false;  // some key of the block is invisible to some row of the tile
-  // Half-loaded blocks (SparseKeyList with kHalves): the second half's first row and valid
+  // Half-loaded blocks (SparseVisit with kHalves): the second half's first row and valid
   // keys; `valid` then counts the first half's only.
   std::int64_t start_hi = 0;
   int valid_hi = 0;
-  // Key padding (DenseKeyRange with a key mask; consumer side only): bit b says whether key
+  // Key padding (DenseVisit with a key mask; consumer side only): bit b says whether key
   // start + 4 * lane + b exists, for this thread's lane. apply_mask turns the warp's flags
   // into each thread's columns with four ballots.
   std::uint32_t key_flags = 0xFu;
@@ -38,7 +38,7 @@ struct KeyBlock {
 // it when there is one): key flags by ballot and per-row column limits in apply_mask. The
 // other instance keeps the per-value mask test.
 template <int kBlockN, bool kKeyMask = false>
-struct DenseKeyRange {
+struct DenseVisit {
   static constexpr bool kElementMask = true;  // causal possible
   static constexpr bool kKeyFlags = kKeyMask;  // key padding (KeyBlock::key_flags)
   static constexpr bool kProducerRecordsBlocks = false;  // block(i) is arithmetic
@@ -53,7 +53,7 @@ struct DenseKeyRange {
   std::int64_t key_mask_row = 0;
   bool causal = false;
 
-  __device__ __forceinline__ DenseKeyRange(const AttentionParams& p, const SparseKeyListArgs&,
+  __device__ __forceinline__ DenseVisit(const AttentionParams& p, const SparseKeyListArgs&,
                                            const Sequence& seq, int /*h*/, std::int64_t q0_,
                                            int rows) {
     len_q = seq.len_q;
@@ -116,7 +116,7 @@ struct DenseKeyRange {
 };
 
 template <int kBlockN, bool kHalves_ = false>
-struct SparseKeyList {
+struct SparseVisit {
   static constexpr bool kElementMask = false;  // only the per-tile valid length
   static constexpr bool kKeyFlags = false;
   // block(i) reads the index (and block sizes) from global memory: the producer, which
@@ -133,7 +133,7 @@ struct SparseKeyList {
   const std::int32_t* sizes = nullptr;  // null: every key tile is full
   int count = 0, blocks_per_tile = 1, tile_volume = kBlockN, kv_tiles = 0;
 
-  __device__ __forceinline__ SparseKeyList(const AttentionParams&, const SparseKeyListArgs& s,
+  __device__ __forceinline__ SparseVisit(const AttentionParams&, const SparseKeyListArgs& s,
                                            const Sequence& seq, int h, std::int64_t q0,
                                            int /*rows*/) {
     const std::int64_t t = q0 / s.tile_volume;

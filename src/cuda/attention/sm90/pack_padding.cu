@@ -1,20 +1,19 @@
-// Key padding as varlen (sm90_fwd_pack_padding.h): ranks of the valid rows, varlen offsets,
+// Key padding as varlen (pack_padding.h): ranks of the valid rows, varlen offsets,
 // row gathers into packed buffers and the scatter of the output back. Memory-bound helpers;
 // at Wan 480p they move ~1 GB against ~10 ms of attention.
-#include "sm90_fwd_pack_padding.h"
+#include "pack_padding.h"
 
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
 
-#include "../device_workspace.h"
-#include "../sm80/launch.h"
-#include "sm90_dispatch.h"
+#include "cuda/common/workspace.h"
+#include "cuda/common/check.h"
 
 namespace vidattn::cuda_sm90 {
 namespace {
 
-using cuda_sm80::check_cuda;
+using cuda_common::check_cuda;
 
 constexpr int kScanThreads = 1024;
 constexpr int kCopyThreads = 256;
@@ -209,13 +208,8 @@ struct Carve {
 
 }  // namespace
 
-bool pack_padding_enabled() {
-  static const bool on = env_switch_on("VIDATTN_SM90_PACK_PADDING");
-  return on;
-}
-
 bool pack_padding_fits(const AttentionParams& p) {
-  return pack_padding_enabled() && p.key_mask != nullptr && !p.causal && !p.varlen;
+  return p.key_mask != nullptr && !p.causal && !p.varlen;
 }
 
 bool forward_padding_packed(const AttentionParams& p, int head_dim, std::size_t elem_bytes,
@@ -258,7 +252,7 @@ bool forward_padding_packed(const AttentionParams& p, int head_dim, std::size_t 
     const auto e = static_cast<std::int64_t>(elem_bytes);
     return ByteStrides{st.batch * e, st.row * e, st.head * e};
   };
-  const int sms = cuda_sm80::current_sm_count();
+  const int sms = cuda_common::current_sm_count();
 
   mask_ranks_kernel<<<B, kScanThreads, 0, stream>>>(p.key_mask, p.key_mask_batch,
                                                     p.key_mask_row, Sk, pos_k, cu_k);

@@ -12,13 +12,9 @@
 #include <cstddef>
 #include <functional>
 
-#include "sm90_fwd_params.h"
+#include "fwd_params.h"
 
 namespace vidattn::cuda_sm90 {
-
-// VIDATTN_SM90_PACK_PADDING=0 keeps key-masked problems on the masked kernel instance (for
-// measuring the packing; read once).
-bool pack_padding_enabled();
 
 // Whether `p` (batched, filled by the dense dispatch) may run packed: a key mask, no causal
 // rule (packing moves keys, and causal masks depend on key positions).

@@ -1,7 +1,7 @@
 // Tile scheduler: CTA c takes slots c, c + gridDim.x, ... of the (query block, head, batch)
 // tiles (the dense kernels; the block-sparse ones use StreamItems below). By default the grid
 // has one CTA per tile (one slot each, handed out by the hardware as SMs free up, in slot
-// order); with a persistent grid (at most one CTA per SM, see sm90_fwd_launch_impl.h) the
+// order); with a persistent grid (at most one CTA per SM, see fwd_launch_impl.h) the
 // slots run in rounds of gridDim.x.
 //  * Non-causal (all tiles cost the same): query blocks vary fastest, so the CTAs running at
 //    any moment work on the same few heads and share their K and V in L2.
@@ -130,9 +130,6 @@ struct StreamItems {
   int* counter = nullptr;  // zeroed before the launch
   // Streams per CTA x the device's SMs, counting those sm_margin leaves idle.
   int device_streams = 1;
-  // Measuring switch (VIDATTN_SM90_WALK_SPREAD, sm90_fwd_launch_impl.h): the starts spread over
-  // 1 / walk_spread of each list; 0 starts every walk at its first block.
-  int walk_spread = 1;
 
   __host__ __device__ int total() const { return num_q_blocks * heads * batch; }
   __host__ void set_shape(int q_blocks, int heads_, int batch_) {
@@ -151,9 +148,7 @@ struct StreamItems {
   // L2 reuse"). A function of the item and the device only, so results do not depend on the
   // schedule or on sm_margin (test_sm_margin_leaves_the_result_bit_identical).
   __device__ __forceinline__ int first_block(int item, int n) const {
-    if (walk_spread == 0) return 0;
-    return static_cast<int>(static_cast<long long>(item % device_streams) * n /
-                            (static_cast<long long>(device_streams) * walk_spread));
+    return static_cast<int>(static_cast<long long>(item % device_streams) * n / device_streams);
   }
   __host__ __device__ __forceinline__ TileCoord decode(int item) const {
     TileCoord c;
