@@ -1,6 +1,6 @@
 // Video Sparse Attention (VSA) building blocks: video tiling, the coarse stage (tile mean
 // pooling, top-k tile selection) and index-native block-sparse attention. Torch-free; every
-// tensor is a TensorView. The algorithm follows the project's VSA spec (shared/spec/vsa.md);
+// tensor is a TensorView. The algorithm follows the project's VSA spec (docs/vsa.md);
 // the attention itself runs on the same CPU mainloop as dense attention (attention_cpu.cpp).
 //
 // Tiled layout. A T x H x W token grid (raster order) is cut into tiles of tile.t x tile.h x

@@ -2,7 +2,7 @@
 // physical layout (transposed, padded rows) and NaN poisoning, and a naive attention
 // reference (forward and backward) that runs in float64 either exactly or rounding its
 // stages to a low-precision dtype, which gives the "same math in the kernel's dtype"
-// baseline of the accuracy rule in targets.md.
+// baseline of the accuracy rule in docs/conventions.md.
 #pragma once
 
 #include <gtest/gtest.h>

@@ -1,7 +1,7 @@
 // Dense attention through the torch-free C++ API against a naive float64 reference,
 // forward (out, LSE) and backward (dQ, dK, dV), with NaN-poisoned outputs.
 //
-// Accuracy rule (targets.md): float64 inputs match the reference to 1e-10 (relative once a
+// Accuracy rule (docs/conventions.md): float64 inputs match the reference to 1e-10 (relative once a
 // tensor's magnitude passes 1); other dtypes must be within 2x (3x for dQ) of the error of
 // the same naive math run in that dtype (naive_attention with per-stage rounding), plus one
 // ulp at the tensor's magnitude, plus for the gradients the bounds of two float32 roundings

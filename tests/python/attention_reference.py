@@ -1,5 +1,5 @@
 """Plain-PyTorch attention with explicit masks: the float64 reference and the low-precision
-baseline of the accuracy rule (targets.md): kernel error vs the fp64 reference must be at most
+baseline of the accuracy rule (docs/conventions.md): kernel error vs the fp64 reference must be at most
 2x (3x for dQ) the error of the same math run in the kernel's dtype, plus a small floor.
 
 The math runs in the dtype of its inputs: pass float64 tensors for the reference, and the

@@ -1,7 +1,7 @@
 """vidattn.attention / attention_varlen against the float64 reference, forward and backward.
 
 float64 inputs must match the reference to 1e-10 (relative past unit magnitude);
-bf16 / fp16 / fp32 inputs follow the rule of targets.md: error <= 2x (3x for dQ) the error
+bf16 / fp16 / fp32 inputs follow the rule of docs/conventions.md: error <= 2x (3x for dQ) the error
 of the same math in the kernel's dtype (attention_reference.py) + a floor: one ulp at the
 tensor's magnitude, and for the gradients the float32 rounding bounds of
 flash_backward_floors. The full cartesian product of the axes is far too slow for CI, so

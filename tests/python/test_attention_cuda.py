@@ -1,4 +1,4 @@
-"""CUDA dense attention against the float64 reference (the rule of targets.md).
+"""CUDA dense attention against the float64 reference (the rule of docs/conventions.md).
 
 Skipped without a GPU. The reference is the plain math in float64 (computed on the GPU for
 speed; it is the same float64 math as on the CPU); the kernel's max abs error must be at most
@@ -77,7 +77,7 @@ def grad_term_sizes(q, k, v, gout, scale):
 
 
 def rule_error(got, ref64, lowp, dtype, factor=2.0, terms=0.0):
-    """The rule of targets.md over the reference's finite elements: (max abs error of got,
+    """The rule of docs/conventions.md over the reference's finite elements: (max abs error of got,
     that of PyTorch's computation in dtype, the bound factor x the latter + floor)."""
     if got.numel() == 0:
         return 0.0, 0.0, 0.0

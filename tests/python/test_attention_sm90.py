@@ -1,6 +1,6 @@
 """The sm_90a (Hopper) forward: on an sm_90 GPU the dense forward must take it (checked with
 the launch counter torch.ops.vidattn._sm90_forward_launches), match the float64 reference by
-the rule of targets.md, and VIDATTN_DISABLE_SM90=1 must keep the portable path. The shapes
+the rule of docs/conventions.md, and VIDATTN_DISABLE_SM90=1 must keep the portable path. The shapes
 here add what the generic CUDA tests don't reach: many key blocks, more tiles than SMs (the
 persistent schedule), strided packed views. Skipped on other GPUs."""
 from __future__ import annotations
@@ -462,7 +462,7 @@ def test_sm90_varlen(lq, lk, D, Hq, input_scale):
                                             causal=causal, return_lse=True)
         torch.cuda.synchronize()
         assert launches() > before
-        # Each sequence by the rule of targets.md (as every other test here): against float64,
+        # Each sequence by the rule of docs/conventions.md (as every other test here): against float64,
         # within twice the error of the same attention in bf16 with PyTorch ops, plus a
         # quarter ulp; check_rule also requires the reference's pattern of non-finite values
         # (LSE -inf for rows that see no key) and finite outputs everywhere else.

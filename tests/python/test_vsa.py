@@ -1,6 +1,6 @@
 """Video Sparse Attention on the CPU: tiling, coarse stage, selection, block-sparse attention,
 the VSA op, packed videos, ops and torch.compile. References are plain PyTorch in float64
-(vsa_reference.py); tolerances follow the 2x rule of targets.md."""
+(vsa_reference.py); tolerances follow the 2x rule of docs/conventions.md."""
 from __future__ import annotations
 
 import itertools

@@ -51,14 +51,14 @@ struct FwdConfig {
 // Dense: one 128-row stream of two warpgroups over 128-key blocks, two stages, output by TMA
 // (short key loops spend a large share of each tile writing it). Runs D = 128 past
 // kDense128ShortMaxKeys keys when the CTA pairs do not fit, and causal key padding at both
-// head dims. Longer key blocks were slower (v11).
+// head dims. Longer key blocks were slower (perf-history, Hopper v11).
 constexpr FwdConfig dense(int d) {
   return {.head_dim = d, .block_n = 128, .wg_per_stream = 2, .streams = 1, .stages_k = 2,
           .stages_v = 2, .tma_store_o = true};
 }
 
 // Dense D = 128 in CTA pairs sharing every K / V load: under the H200's power cap, bytes out
-// of L2 cost clock (v21). D = 64, bound by its softmax rather than power, lost 4% in pairs.
+// of L2 cost clock (perf-history, Hopper v21). D = 64, bound by its softmax rather than power, lost 4% in pairs.
 // Clusters of four fit only 120 of the H200's 132 SMs and ran 2-6% slower than pairs.
 constexpr FwdConfig dense_cluster(int d) {
   return {.head_dim = d, .block_n = 128, .wg_per_stream = 2, .streams = 1, .stages_k = 2,
@@ -68,7 +68,7 @@ constexpr FwdConfig dense_cluster(int d) {
 // Dense D = 64: a 192-row stream of three warpgroups (160 registers each) at every key
 // length. A warpgroup's softmax of a 64 x 128 block takes several times as long as its two
 // products (a latency chain), so a third warpgroup fills the tensor cores' idle time (+10-13%
-// at 8K-32K keys, v14; +8-22% at 512-6144 keys with the persistent grid and TMA store, v28).
+// at 8K-32K keys, v14; +8-22% at 512-6144 keys with the persistent grid and TMA store; perf-history, Hopper v28).
 constexpr FwdConfig dense64_wide() {
   return {.head_dim = 64, .block_n = 128, .wg_per_stream = 3, .streams = 1, .stages_k = 2,
           .stages_v = 2, .tma_store_o = true};
@@ -77,7 +77,7 @@ constexpr FwdConfig dense64_wide() {
 // Dense D = 128 with at most kDense128ShortMaxKeys keys (cross attention to text or image
 // tokens): three warpgroups over 64-key blocks. A partial last block costs less and a third
 // warpgroup overlaps more of each short tile's start and end: +19-22% at 257 keys, flat at
-// 512, -3% to -13% at 2048-4096 keys (v29).
+// 512, -3% to -13% at 2048-4096 keys (perf-history, Hopper v29).
 constexpr FwdConfig dense128_short() {
   return {.head_dim = 128, .block_n = 64, .wg_per_stream = 3, .streams = 1, .stages_k = 2,
           .stages_v = 2, .tma_store_o = true};
@@ -87,7 +87,7 @@ inline constexpr std::int64_t kDense128ShortMaxKeys = 512;
 // At most 128 keys (text tokens) on the three-warpgroup tile, compiled for one 128-key block
 // per tile (FwdTraits::kOneBlock): one S, softmax and P V per tile. One K and one V slot, so
 // shared memory stays no larger than the loop kernels' (more would shrink L1, where the
-// three-warpgroup kernels' spills live, v30). D = 128: +6-13% over dense128_short; D = 64:
+// three-warpgroup kernels' spills live; perf-history, Hopper v30). D = 128: +6-13% over dense128_short; D = 64:
 // +4-8% at 77-128 keys over dense64_wide.
 constexpr FwdConfig dense_one_block(int d) {
   return {.head_dim = d, .block_n = 128, .wg_per_stream = 3, .streams = 1, .stages_k = 1,
@@ -95,7 +95,7 @@ constexpr FwdConfig dense_one_block(int d) {
 }
 
 // Block-sparse with 128 / 256-token tiles: 128-key blocks (a 256-token tile is two), one
-// 128-row stream of two warpgroups, stream items (+2-4% over a CTA per tile, v18).
+// 128-row stream of two warpgroups, stream items (+2-4% over a CTA per tile; perf-history, Hopper v18).
 constexpr FwdConfig sparse128(int d) {
   return {.head_dim = d, .block_n = 128, .wg_per_stream = 2, .streams = 1, .stages_k = 2,
           .stages_v = 2, .schedule = Schedule::kStreamItems};
@@ -105,7 +105,7 @@ constexpr FwdConfig sparse128(int d) {
 // block is two selected key tiles loaded separately (one max, base and rescale per 128 keys,
 // full-width products). One K and two V slots per stream: the shared memory of a 3 + 3 ring
 // of 64-key slots. Stream items, since a tile's ~30 blocks make its start and end ~2% of the
-// kernel, which one CTA per tile cannot overlap (v16).
+// kernel, which one CTA per tile cannot overlap (perf-history, Hopper v16).
 constexpr FwdConfig sparse64(int d) {
   return {.head_dim = d, .block_n = 128, .wg_per_stream = 1, .streams = 2, .stages_k = 1,
           .stages_v = 2, .half_loads = true, .schedule = Schedule::kStreamItems};

@@ -219,7 +219,7 @@ __device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits
 // column) in every warpgroup). Named barrier 2 spans the three consumer warpgroups. A CTA runs
 // at most one piece (last_round_split_from); racecheck is clean for that (tools/sm90_smoke.py
 // runs a whole tile, then a piece, on one CTA), and reported hazards between this function's
-// stats writes and reads when a CTA ran two pieces in a row (docs/perf-notes.md, Hopper v32).
+// stats writes and reads when a CTA ran two pieces in a row (docs/perf-history.md, Hopper v32).
 template <class Traits, class Frag>
 __device__ __forceinline__ void combine_split_piece(typename Traits::StreamStorage& st, Frag& o,
                                                     OnlineSoftmax& sm, int wg, int wg_tid) {

@@ -71,15 +71,15 @@ typename Traits::GmemTensor gmem_view(const void* ptr, std::int64_t rows, int he
 //   per tile ahead through the CTA pairs (92160 x H40); beside other kernels (NCCL in
 //   sequence parallelism) a persistent CTA that starts late, behind their blocks, still owns
 //   its share of the tiles and the whole kernel waits for it, while one CTA per tile lets the
-//   hardware hand the remaining tiles to whichever SM is free (docs/perf-notes.md, v6).
+//   hardware hand the remaining tiles to whichever SM is free (docs/perf-history.md, Hopper v6).
 // * Up to kPersistentMaxKeys keys: on one CTA per tile each CTA's start (barriers, Q and the
 //   first K / V in flight) and end (the output store) overlap no other tile's products; on
 //   the persistent grid the producer loads the next tile while the consumers finish this one
-//   (+17% at 32760 x 512 keys, +25% at 257; v23). Since the output went through a TMA store
-//   and the tile set-up moved to the producer (v27-v37) this wins at longer keys too, also
+//   (+17% at 32760 x 512 keys, +25% at 257; perf-history, Hopper v23). With the output stored
+//   by TMA and the tile set-up on the producer (Hopper v27-v37) it wins at longer keys too, also
 //   against the CTA pairs: +5-20% at 1024-4096 keys, +1-4.5% at 6144-24576 (D = 128, D = 64,
 //   causal), level at 20480 and 32768 keys and -1.5% at 92160 x H40 where the pairs' halved
-//   L2 traffic counts (docs/perf-notes.md, "The persistent grid up to 24576 keys").
+//   L2 traffic counts (docs/perf-history.md, "The persistent grid up to 24576 keys").
 // sm_margin always takes the persistent grid.
 inline constexpr std::int64_t kPersistentMaxKeys = 24576;
 
@@ -112,7 +112,7 @@ inline int split_tail_from(const AttentionParams& a, int tiles, int ctas) {
 
 // Query rows a tiling of block_m-row tiles puts on the busiest of `ctas` CTAs, a piece of a
 // split last round counted as its 64 rows (at 2048 x 16 heads, 300 keys that choice, 192-row
-// tiles with the split, ran level with the 128-row tiles it replaced; perf-notes, v32).
+// tiles with the split, ran level with the 128-row tiles it replaced; perf-history, Hopper v32).
 inline std::int64_t rows_on_busiest_cta(const AttentionParams& a, std::int64_t block_m,
                                         bool split_tail, int ctas) {
   const std::int64_t tiles =
@@ -317,7 +317,7 @@ bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
   if (p.key_mask != nullptr) {
     // Key padding runs an instance of its own, so that the mask code does not shape the
     // unmasked kernel (with it, ptxas scheduled the unmasked loop differently: up to -6% at
-    // D = 128; docs/perf-notes.md v15). It keeps to the 128-row tile at D = 64 (causal key
+    // D = 128; docs/perf-history.md, Hopper v15). It keeps to the 128-row tile at D = 64 (causal key
     // padding only: the rest is packed as varlen first, pack_padding.h).
     using Traits = launch_detail::DenseTraits<T, D>;
     return launch_detail::launch<Traits, DenseVisit<Traits::kBlockN, true>>(

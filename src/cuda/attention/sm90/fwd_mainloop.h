@@ -175,8 +175,10 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
     } else if (slot >= p.sched.slots_end) {
       break;
     }
-    StreamTile t;  // assigned, not initialised: the SASS measured in v16 (ptxas reorders
-    t = tile_of_slot(p, slot, stream);  // the producer's setup for the other form)
+    // Assigned, not initialised: ptxas reorders the producer's setup for the other form,
+    // which measured slower (docs/perf-history.md, Hopper v16).
+    StreamTile t;
+    t = tile_of_slot(p, slot, stream);
     if (!t.active) continue;
     // Varlen: sequences are row ranges of one [T, H, D] view (batch extent 1).
     const int tb = p.attn.varlen ? 0 : t.batch;
@@ -327,7 +329,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   Tensor tSrQ = wg_qk.partition_fragment_A(sQ);   // smem descriptors
   Tensor tSrK = wg_qk.partition_fragment_B(sK);   // (mma, n, k, stage)
   Tensor tOrV = wg_pv.partition_fragment_B(sVt);  // (mma, d, keys, stage)
-  // The descriptors of ring slot `stage`, its index made warp-uniform (v34: the ring position
+  // The descriptors of ring slot `stage`, its index made warp-uniform (perf-history, Hopper v34: the ring position
   // is loop-carried and the compiler keeps it per thread).
   auto k_slot = [&](int stage) { return tSrK(_, _, _, warp_uniform(stage)); };
   auto v_slot = [&](int stage) { return tOrV(_, _, _, warp_uniform(stage)); };
@@ -342,7 +344,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   Tensor tOrP32 = recast<uint32_t>(tOrP);
   // kAltP (the speculating two-warpgroup kernels): a second P operand. Key blocks alternate
   // between the two, so that a block's speculated P is written straight into the operand its
-  // P V product reads while the previous block's product still reads the other one (v41: no
+  // P V product reads while the previous block's product still reads the other one (perf-history, Hopper v41: no
   // 32-word copy per block). The key loops run in pairs of blocks so that each step's
   // operands are fixed registers; a loop of an odd number of steps moves P back once.
   constexpr bool kAltP = Traits::kSpeculativeSoftmax;

@@ -12,7 +12,7 @@ namespace vidattn::cuda_sm90 {
 using cuda_common::AttentionParams;
 using cuda_common::RowStrides;
 
-// Block-sparse key lists (index-native VSA format, spec/vsa.md section 4). The query and key
+// Block-sparse key lists (index-native VSA format, docs/vsa.md section 4). The query and key
 // sequences are in the tiled layout: tile t holds slots [t * tile_volume, (t + 1) * tile_volume),
 // of which the first block_sizes[t] are tokens and the rest padding (never attended).
 struct SparseKeyListArgs {

@@ -3,7 +3,7 @@
 // tile shape does not divide) is loaded in 16-row pieces up to its valid keys only, and a
 // load with no valid key (an odd list's last block repeats its tile with 0 keys; an
 // out-of-range id) is skipped. The 64-token kernel is bound by what L2 delivers to the SMs
-// (docs/perf-notes.md, the split probe), and Wan's 480p and 720p grids have 18% padding
+// (docs/perf-history.md, the split probe), and Wan's 480p and 720p grids have 18% padding
 // slots.
 //
 // The slot's rows past the prefix keep what an earlier load left there, or the zeros the

@@ -53,7 +53,7 @@ struct OnlineSoftmax {
   // A later block's probabilities against the rows' current bases, without the block's max:
   // that reduction (64 FMNMX, two quad shuffles per row) stands between S and the
   // exponentials, and dropping it took the unsafe probe's key loops from 517 to 427
-  // instructions and +6-10% (docs/perf-notes.md, Hopper v39). Each pair of probabilities
+  // instructions and +6-10% (docs/perf-history.md, Hopper v39). Each pair of probabilities
   // goes to put(pair, p0, p1), pair = value / 2 as convert_p packs them; s and the statistics
   // stay as they are. Returns whether this thread's share is what update<false> computes
   // without moving the base: both rows have one, and every probability is at most 2^slack (the

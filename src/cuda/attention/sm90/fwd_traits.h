@@ -42,21 +42,21 @@ struct FwdTraits {
                 "the TMA output store serves the dense single-CTA kernel");
   // Pairs only: at most 30 clusters of four fit an H200 at once (120 of its 132 SMs: the GPCs'
   // SM counts are not multiples of four), and with two or three K / V slots they ran 2-6%
-  // slower than pairs; per working SM and clock they matched them (docs/perf-notes.md, Hopper
+  // slower than pairs; per working SM and clock they matched them (docs/perf-history.md, Hopper
   // v21 and "Clusters of four").
   static_assert(kClusterM == 1 || (kClusterM == 2 && !kStreamItems && !kHalfLoads),
                 "multicast K / V serves the dense static schedule, in pairs");
   // Stream items walk their key blocks from StreamItems::first_block on, so the streams in
   // flight read the same part of a head's K / V at once: +3% at Wan 720p and HunyuanVideo for
   // 64-row streams (each loads its own K / V, ~8 TB/s from L2), but -2-3% for the 128-row
-  // streams of the 128-token kernel (docs/perf-notes.md, Hopper v19).
+  // streams of the 128-token kernel (docs/perf-history.md, Hopper v19).
   static constexpr bool kRotatedWalk = kStreamItems && kWGPerStream == 1;
   // kSplitTail: the dense three-warpgroup kernels split the tiles of a grid's last, partly
   // filled round into three 64-row pieces, each run by all three warpgroups over every third
   // key block and combined in shared memory (SplitTail, tile_scheduler.h; the consumer
-  // loop; combine_split_piece): that round then takes about half a tile's time (v32).
+  // loop; combine_split_piece): that round then takes about half a tile's time (perf-history, Hopper v32).
   // Dense128Short: D = 128 on three warpgroups of 160 registers over 64-key blocks, for at
-  // most 512 keys (fwd_launch_impl.h). Two mainloop choices differ for it (perf-notes,
+  // most 512 keys (fwd_launch_impl.h). Two mainloop choices differ for it (perf-history,
   // Hopper v36 and v37):
   // * kUniformControl: the tile record's loop-steering values made warp-uniform (a shared-
   //   memory read is not uniform to the compiler, which then guards the key loops' warp-
@@ -82,7 +82,7 @@ struct FwdTraits {
   static constexpr int kLoadRows = kHalfLoads ? kBlockN / 2 : kBlockN;  // rows per TMA load
   // The 64-token kernel loads each key tile only up to its valid keys (fwd_prefix_loads.h;
   // -5% at Wan 480p). The 128 / 256-token kernel, which moves half the bytes per FLOP, ran
-  // 0.3-0.7% slower with them and keeps whole loads (docs/perf-notes.md, Hopper v20).
+  // 0.3-0.7% slower with them and keeps whole loads (docs/perf-history.md, Hopper v20).
   static constexpr bool kPrefixLoads = kHalfLoads && kLoadRows == 64;
   static constexpr int kBlockMStream = 64 * kWGPerStream;
   static constexpr int kBlockM = kBlockMStream * kStreams;  // query rows per CTA tile
@@ -95,7 +95,7 @@ struct FwdTraits {
   // waited forever (the H200 run of the fused kernel hung). 24 + 2 x 240 is exactly 64512.
   // kFusedCombine keeps 24 too: 40 for the producer warpgroup with 232 for the consumers
   // cleared its spills but added ~100 register moves to the consumers' loop, and the fused
-  // kernel ran 3% slower (perf-notes, v17).
+  // kernel ran 3% slower (perf-history, Hopper v17).
   static constexpr int kProducerRegs = 24;
   // Without setmaxnreg the same consumer code spilled 504 bytes at the 168-register cap of
   // 9-12 warps; with it, none. Three consumer warpgroups (512 threads) get 160 each: at
@@ -104,14 +104,14 @@ struct FwdTraits {
   static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
   // kSpeculativeSoftmax: each key block after a tile's first takes its exponentials against
   // the rows' current bases and checks them afterwards (OnlineSoftmax::speculate), instead of
-  // reducing the block's max first; a warp whose check fails redoes the block exactly (v39).
+  // reducing the block's max first; a warp whose check fails redoes the block exactly (perf-history, Hopper v39).
   // Two consumer warpgroups (240 registers) only: the speculated P's 32 registers made the
   // three-warpgroup kernels' key loops spill (160 registers; 1 -> 117 local accesses at D = 64).
   static constexpr bool kSpeculativeSoftmax = kConsumerWGs == 2;
   // kSpeculateAfterPV: the three-warpgroup loop kernels speculate too, but only once the
   // previous block's P V is done, writing P straight into its operand (no 32 registers more);
   // a warpgroup's softmax then no longer overlaps its own P V, the other two warpgroups'
-  // products fill the tensor cores meanwhile (v40: dense D = 64 +15%, D = 128 at 257-512 keys
+  // products fill the tensor cores meanwhile (perf-history, Hopper v40: dense D = 64 +15%, D = 128 at 257-512 keys
   // +7-16%).
   static constexpr bool kSpeculateAfterPV = kConsumerWGs == 3 && !kOneBlock;
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0);

@@ -211,7 +211,7 @@ __device__ __forceinline__ void apply_mask(Frag& s, const Coords& coords, const 
   if constexpr (!Visit::kElementMask) {
     // Block-sparse lists: only each tile's valid keys, a test per value. Limits as below cut
     // the 64-token loop by 26 instructions, but ptxas then scheduled its unmasked blocks
-    // differently and the Wan VSA shapes measured 1.5-4% slower (docs/perf-notes.md, v15).
+    // differently and the Wan VSA shapes measured 1.5-4% slower (docs/perf-history.md, Hopper v15).
 #pragma unroll
     for (int v = 0; v < kVals; ++v) {
       const int col = cute::get<1>(coords(v));
@@ -226,8 +226,8 @@ __device__ __forceinline__ void apply_mask(Frag& s, const Coords& coords, const 
     }
   } else {
     // Dense (partial last block, causal diagonal, key padding): the row limits described
-    // above. Until v26 the unmasked instance still tested each value (at 257 keys, one
-    // masked block in three, that cost the kernel 24%; docs/perf-notes.md).
+    // above, instead of a test of each value, which at 257 keys (one masked block in three)
+    // cost the kernel 24% (docs/perf-history.md, Hopper v26).
     static_assert(kVals == Visit::kBlockKeys / 2, "one 64-row wgmma atom per warpgroup");
     const int quad = threadIdx.x & 3;
     static_assert(!Visit::kHalves, "half-loaded blocks are block-sparse");

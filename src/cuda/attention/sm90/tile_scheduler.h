@@ -14,7 +14,7 @@
 //  * Tiles are decoded with divisions precomputed on the host (cutlass::FastDivmod: a
 //    multiply-high and a shift): each consumer decodes every tile it takes, between two
 //    tiles, and four signed integer divisions there cost ~100 instructions per warp and 8%
-//    of the warp stalls of a short key loop (docs/perf-notes.md, Hopper v31).
+//    of the warp stalls of a short key loop (docs/perf-history.md, Hopper v31).
 #pragma once
 
 #include <algorithm>
@@ -35,7 +35,7 @@ struct TileCoord {
 // keeps ctas - r CTAs idle for a tile's time. Its 3 r pieces take about half a tile's time
 // each (a third of the key blocks, without the overlap of one warpgroup's softmax with its
 // own products, and the combination): a gain only when every CTA runs at most one piece,
-// 3 r <= ctas (two pieces in a row measured no faster than the whole tile; docs/perf-notes.md,
+// 3 r <= ctas (two pieces in a row measured no faster than the whole tile; docs/perf-history.md,
 // Hopper v32).
 __host__ inline int last_round_split_from(int tiles, int ctas) {
   const int tail = tiles % ctas;
@@ -144,7 +144,7 @@ struct StreamItems {
   // same place of its own ascending list at any moment, so the streams read the same key
   // tiles of a head at once and share them in L2 (Wan 720p, ncu: L2 hit rate 89% against 70%
   // with every walk from block 0; 7-9% faster than that and 2-3% faster than starts spread
-  // over half of each list: docs/perf-notes.md, "The 64-token kernel's walk, list length and
+  // over half of each list: docs/perf-history.md, "The 64-token kernel's walk, list length and
   // L2 reuse"). A function of the item and the device only, so results do not depend on the
   // schedule or on sm_margin (test_sm_margin_leaves_the_result_bit_identical).
   __device__ __forceinline__ int first_block(int item, int n) const {
