@@ -1,14 +1,10 @@
 // Validation and backend dispatch for RoPE.
 #include "vidattn/rope.h"
 
-#include <stdexcept>
 #include <utility>
 
 #include "check.h"
 #include "rope_backends.h"
-#if VIDATTN_WITH_CUDA
-#include "../cuda/rope_launch.h"
-#endif
 
 namespace vidattn {
 namespace {
@@ -54,27 +50,6 @@ RopeProblem describe(const char* function, const TensorView& x, const TensorView
   return p;
 }
 
-#if VIDATTN_WITH_CUDA
-// The kernel's interface is C++17 (no vidattn headers), so the views become plain numbers.
-void cuda_rope(const char* function, const RopeProblem& p, const TensorView& x,
-               const TensorView& cos, const TensorView& sin, const TensorView& out,
-               const RopeOptions& o) {
-  static_assert(int(DType::kFloat32) == 0 && int(DType::kFloat16) == 1 &&
-                int(DType::kBFloat16) == 2 && int(DType::kFloat64) == 3);
-  detail::RopeLaunchParams lp;
-  lp.x = x.data, lp.out = out.data, lp.cos = cos.data, lp.sin = sin.data;
-  lp.x_dtype = int(p.dtype), lp.table_dtype = int(p.table_dtype);
-  lp.batch = p.batch, lp.seqlen = p.seqlen, lp.heads = p.heads, lp.head_dim = p.head_dim;
-  for (int d = 0; d < 3; ++d) lp.x_stride[d] = x.stride[d], lp.out_stride[d] = out.stride[d];
-  for (int d = 0; d < 2; ++d) lp.cos_stride[d] = cos.stride[d], lp.sin_stride[d] = sin.stride[d];
-  lp.half_table = p.half_table, lp.interleaved = o.interleaved, lp.transpose = o.transpose;
-  lp.device = p.device.index;
-  lp.stream = o.stream;
-  if (const char* error = detail::launch_rope_cuda(lp))
-    throw std::runtime_error(detail::concat(function, ": CUDA error: ", error));
-}
-#endif
-
 }  // namespace
 
 RopeProblem describe_rope(const TensorView& x, const TensorView& cos, const TensorView& sin,
@@ -104,7 +79,7 @@ void apply_rope(const TensorView& x, const TensorView& cos, const TensorView& si
   check.unit_last_stride(out, "out");
   if (p.device.kind == DeviceKind::kCPU) return detail::cpu_rope(p, x, cos, sin, out, options);
 #if VIDATTN_WITH_CUDA
-  return cuda_rope(kFn, p, x, cos, sin, out, options);
+  return detail::cuda_rope(p, x, cos, sin, out, options);
 #else
   throw NotImplementedError(detail::concat(
       kFn, ": this build of vidattn has no CUDA backend; pass CPU tensors"));

@@ -4,16 +4,12 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <stdexcept>
 
 #include "backends.h"
 #include "check.h"
 #include "vidattn/vsa_combine.h"
 #include "vsa_backends.h"
 #include "vsa_combine_backends.h"
-#if VIDATTN_WITH_CUDA
-#include "../cuda/vsa_coarse_launch.h"
-#endif
 
 namespace vidattn {
 namespace {
@@ -63,20 +59,6 @@ void token_tensor(const ArgChecker& check, const TensorView& x, const char* name
   check.unit_last_stride(x, name);
   check.non_null(x, name);
 }
-
-#if VIDATTN_WITH_CUDA
-// The coarse-stage kernels' interface is C++17 (no vidattn headers): views become numbers.
-static_assert(int(DType::kFloat32) == 0 && int(DType::kFloat16) == 1 &&
-              int(DType::kBFloat16) == 2 && int(DType::kFloat64) == 3);
-
-void copy_strides(const TensorView& t, std::int64_t (&dst)[3]) {
-  for (int d = 0; d < 3; ++d) dst[d] = t.stride[d];
-}
-
-void throw_if_cuda_error(const char* function, const char* error) {
-  if (error) throw std::runtime_error(detail::concat(function, ": CUDA error: ", error));
-}
-#endif
 
 }  // namespace
 
@@ -146,41 +128,12 @@ void gather_tokens(const TensorView& x, const TensorView& index, const TensorVie
   check.non_null(out, "out");
   if (on_cpu(x)) return detail::cpu_gather_tokens(x, index, out, num_threads);
 #if VIDATTN_WITH_CUDA
-  detail::VsaGatherLaunch lp;
-  lp.x = x.data, lp.out = out.data, lp.index = static_cast<const std::int32_t*>(index.data);
-  lp.index_stride = index.stride[0];
-  lp.dtype = int(x.dtype);
-  lp.batch = x.shape[0], lp.seqlen = x.shape[1], lp.rows = index.shape[0];
-  lp.heads = x.shape[2], lp.head_dim = x.shape[3];
-  copy_strides(x, lp.x_stride);
-  copy_strides(out, lp.out_stride);
-  lp.device = x.device.index, lp.stream = stream;
-  throw_if_cuda_error(check.function(), detail::launch_vsa_gather_tokens(lp));
+  detail::cuda_gather_tokens(x, index, out, stream);
 #else
   (void)stream;
   no_cuda(check.function());
 #endif
 }
-
-#if VIDATTN_WITH_CUDA
-namespace {
-void cuda_tile_mean_pool(const char* function, const TensorView& x, const TensorView& block_sizes,
-                         std::int64_t tile_volume, const TensorView& out, bool backward,
-                         void* stream) {
-  detail::VsaPoolLaunch lp;
-  lp.x = x.data, lp.out = out.data;
-  lp.block_sizes = static_cast<const std::int32_t*>(block_sizes.data);
-  lp.block_sizes_stride = block_sizes.stride[0];
-  lp.dtype = int(x.dtype), lp.backward = backward;
-  lp.batch = x.shape[0], lp.tiles = block_sizes.shape[0], lp.heads = x.shape[2];
-  lp.head_dim = x.shape[3], lp.tile_volume = tile_volume;
-  copy_strides(x, lp.x_stride);
-  copy_strides(out, lp.out_stride);
-  lp.device = x.device.index, lp.stream = stream;
-  throw_if_cuda_error(function, detail::launch_vsa_tile_mean_pool(lp));
-}
-}  // namespace
-#endif
 
 void tile_mean_pool(const TensorView& x, const TensorView& block_sizes, std::int64_t tile_volume,
                     const TensorView& out, int num_threads, void* stream) {
@@ -199,7 +152,7 @@ void tile_mean_pool(const TensorView& x, const TensorView& block_sizes, std::int
   check.non_null(out, "out");
   if (on_cpu(x)) return detail::cpu_tile_mean_pool(x, block_sizes, tile_volume, out, num_threads);
 #if VIDATTN_WITH_CUDA
-  cuda_tile_mean_pool(check.function(), x, block_sizes, tile_volume, out, false, stream);
+  detail::cuda_tile_mean_pool(x, block_sizes, tile_volume, out, stream);
 #else
   (void)stream;
   no_cuda(check.function());
@@ -225,7 +178,7 @@ void tile_mean_pool_backward(const TensorView& grad_out, const TensorView& block
     return detail::cpu_tile_mean_pool_backward(grad_out, block_sizes, tile_volume, grad_x,
                                                num_threads);
 #if VIDATTN_WITH_CUDA
-  cuda_tile_mean_pool(check.function(), grad_out, block_sizes, tile_volume, grad_x, true, stream);
+  detail::cuda_tile_mean_pool_backward(grad_out, block_sizes, tile_volume, grad_x, stream);
 #else
   (void)stream;
   no_cuda(check.function());
@@ -260,21 +213,6 @@ void check_index_outputs(const ArgChecker& check, const TensorView& q2k_index,
   check.same_device(q2k_count, "q2k_count", device);
   check.non_null(q2k_count, "q2k_count");
 }
-
-#if VIDATTN_WITH_CUDA
-detail::VsaTopkLaunch topk_launch(const TensorView& q2k_index, const TensorView& q2k_count,
-                                  std::int64_t topk, void* stream) {
-  detail::VsaTopkLaunch lp;
-  lp.topk = topk;
-  lp.max_k = q2k_index.shape[3];
-  lp.index = static_cast<std::int32_t*>(q2k_index.data);
-  for (int d = 0; d < 4; ++d) lp.index_stride[d] = q2k_index.stride[d];
-  lp.count = static_cast<std::int32_t*>(q2k_count.data);
-  copy_strides(q2k_count, lp.count_stride);
-  lp.stream = stream;
-  return lp;
-}
-#endif
 
 }  // namespace
 
@@ -315,28 +253,7 @@ void select_topk_tiles(const TensorView& q_pooled, const TensorView& k_pooled,
   if (on_cpu(q_pooled))
     return detail::cpu_select_topk_tiles(q_pooled, k_pooled, o, scale, q2k_index, q2k_count);
 #if VIDATTN_WITH_CUDA
-  detail::VsaTopkLaunch lp = topk_launch(q2k_index, q2k_count, o.topk, o.stream);
-  lp.q = q_pooled.data, lp.k = k_pooled.data, lp.dtype = int(q_pooled.dtype);
-  lp.batch = B, lp.q_tiles = Qt, lp.k_tiles = Kt, lp.heads_q = Hq, lp.heads_kv = Hkv;
-  lp.head_dim = q_pooled.shape[3];
-  copy_strides(q_pooled, lp.q_stride);
-  copy_strides(k_pooled, lp.k_stride);
-  lp.scale = scale;
-  lp.has_sparsity = o.sparsity.has_value();
-  lp.sparsity = o.sparsity.value_or(0.0);
-  if (o.cu_tiles_q) {
-    lp.cu_tiles_q = static_cast<const std::int32_t*>(o.cu_tiles_q->data);
-    lp.cu_tiles_k = static_cast<const std::int32_t*>(o.cu_tiles_k->data);
-    lp.cu_q_stride = o.cu_tiles_q->stride[0], lp.cu_k_stride = o.cu_tiles_k->stride[0];
-    lp.num_videos = o.cu_tiles_q->shape[0] - 1;
-  }
-  lp.device = q_pooled.device.index;
-  bool is_limit = false;
-  const char* error = detail::launch_vsa_select_topk(lp, &is_limit);
-  if (error && is_limit)
-    throw NotImplementedError(detail::concat(check.function(), ": ", error, " (", Kt,
-                                             " key tiles); use CPU tensors or fewer key tiles"));
-  throw_if_cuda_error(check.function(), error);
+  detail::cuda_select_topk_tiles(q_pooled, k_pooled, o, scale, q2k_index, q2k_count);
 #else
   no_cuda(check.function());
 #endif
@@ -356,14 +273,7 @@ void topk_tiles_from_scores(const TensorView& scores, std::int64_t topk,
   if (on_cpu(scores))
     return detail::cpu_topk_tiles_from_scores(scores, topk, q2k_index, q2k_count, num_threads);
 #if VIDATTN_WITH_CUDA
-  detail::VsaTopkLaunch lp = topk_launch(q2k_index, q2k_count, topk, stream);
-  lp.scores = scores.data, lp.dtype = int(scores.dtype);
-  lp.batch = scores.shape[0], lp.heads_q = scores.shape[1], lp.heads_kv = scores.shape[1];
-  lp.q_tiles = scores.shape[2], lp.k_tiles = scores.shape[3];
-  copy_strides(scores, lp.scores_stride);
-  lp.device = scores.device.index;
-  if (lp.k_tiles > INT32_MAX) check.fail("at most 2^31 - 1 key tiles, got ", lp.k_tiles);
-  throw_if_cuda_error(check.function(), detail::launch_vsa_topk_from_scores(lp));
+  detail::cuda_topk_tiles_from_scores(scores, topk, q2k_index, q2k_count, stream);
 #else
   (void)stream;
   no_cuda(check.function());

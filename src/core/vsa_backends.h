@@ -39,7 +39,32 @@ void cpu_block_sparse_backward(const BlockSparseProblem& p, const TensorView& q,
                                const BlockSparseOptions& options);
 
 #ifdef VIDATTN_WITH_CUDA
-// CUDA (sm_80 and newer; src/cuda/dispatch/block_sparse.cu, src/cuda/vsa/k2q_transpose.cu): bfloat16 / float16, D = Dv in
+// CUDA (src/cuda/vsa/): the same calls as the cpu_* ones above, asynchronous on `stream`
+// (options.stream for the selection). Nothing here synchronises with the host, so index data is
+// not checked: gather indices outside [-1, S) give zero rows, block sizes are clamped to
+// [0, tile volume], cu_tiles offsets to [0, tiles] (a query tile outside every video gets
+// count 0). Valid inputs give the CPU backend's results: exactly for the gathers and the
+// pooling; the selection sums its fp32 scores in another order, so near-ties may resolve
+// differently (with exact scores, the same indices). Failures throw: NotImplementedError
+// where the kernels cannot serve a valid call (the selection's key tiles do not fit shared
+// memory, a batch or head count above 65535), ValueError for given scores of more than
+// 2^31 - 1 key tiles, std::runtime_error for CUDA errors.
+void cuda_gather_tokens(const TensorView& x, const TensorView& index, const TensorView& out,
+                        void* stream);
+void cuda_tile_mean_pool(const TensorView& x, const TensorView& block_sizes,
+                         std::int64_t tile_volume, const TensorView& out, void* stream);
+void cuda_tile_mean_pool_backward(const TensorView& grad_out, const TensorView& block_sizes,
+                                  std::int64_t tile_volume, const TensorView& grad_x,
+                                  void* stream);
+void cuda_select_topk_tiles(const TensorView& q_pooled, const TensorView& k_pooled,
+                            const TopkOptions& options, double scale,
+                            const TensorView& q2k_index, const TensorView& q2k_count);
+void cuda_topk_tiles_from_scores(const TensorView& scores, std::int64_t topk,
+                                 const TensorView& q2k_index, const TensorView& q2k_count,
+                                 void* stream);
+
+// CUDA block-sparse attention (sm_80 and newer; src/cuda/dispatch/block_sparse.cu, the
+// transpose in src/cuda/vsa/k2q_transpose.cu): bfloat16 / float16, D = Dv in
 // {64, 128}; anything else throws NotImplementedError. Asynchronous on the given stream,
 // except the index check of the forward and of the transpose (vsa.h), which is skipped while
 // the stream is being captured or when validate_index is false.

@@ -1,15 +1,9 @@
 // Validation and backend dispatch of the fused VSA combine (vidattn/vsa_combine.h).
 #include "vidattn/vsa_combine.h"
 
-#include <stdexcept>
-
 #include "check.h"
 #include "vidattn/vsa.h"
 #include "vsa_combine_backends.h"
-
-#if VIDATTN_WITH_CUDA
-#include "../cuda/vsa_combine_launch.h"
-#endif
 
 namespace vidattn {
 namespace {
@@ -53,7 +47,7 @@ void check_rows_gate_coarse(const ArgChecker& check, const TensorView& rows,
 
 // `slots` is the tiled tensor every full-size argument must match (fine or grad_out);
 // `coarse` is [B, Tiles, H, D]. Checks dtype, device, shapes, strides and data.
-CombineShape check_combine(const ArgChecker& check, const TensorView& slots,
+void check_combine(const ArgChecker& check, const TensorView& slots,
                            const char* slots_name, const TensorView& coarse,
                            const std::optional<TensorView>& gate, const TensorView& block_sizes,
                            std::int64_t tile_volume) {
@@ -74,7 +68,6 @@ CombineShape check_combine(const ArgChecker& check, const TensorView& slots,
   check.dim_equals(block_sizes, "block_sizes", 0, s.tiles, "one entry per tile");
   check.non_null(block_sizes, "block_sizes");
   check_rows_gate_coarse(check, slots, slots_name, coarse, gate, "(the tiled shape)");
-  return s;
 }
 
 void check_output(const ArgChecker& check, const TensorView& out, const char* name,
@@ -97,72 +90,7 @@ void check_backward_outputs(const ArgChecker& check, const TensorView& grad_out,
   }
 }
 
-#if VIDATTN_WITH_CUDA
-bool aligned16(const TensorView& t) {
-  if (reinterpret_cast<std::uintptr_t>(t.data) % 16 != 0) return false;
-  const std::int64_t elems = 16 / static_cast<std::int64_t>(dtype_size(t.dtype));
-  for (int d = 0; d + 1 < t.ndim; ++d)
-    if (t.shape[d] > 1 && t.stride[d] % elems != 0) return false;
-  return true;
-}
-
-void copy_strides(std::int64_t (&dst)[3], const TensorView& t) {
-  for (int d = 0; d < 3; ++d) dst[d] = t.stride[d];
-}
-
-detail::CombineLaunchParams launch_params(const CombineShape& s, const TensorView& slots,
-                                          const TensorView& coarse,
-                                          const std::optional<TensorView>& gate,
-                                          const TensorView* block_sizes,
-                                          std::int64_t tile_volume, void* stream) {
-  static_assert(int(DType::kFloat32) == 0 && int(DType::kFloat16) == 1 &&
-                int(DType::kBFloat16) == 2 && int(DType::kFloat64) == 3);
-  detail::CombineLaunchParams lp;
-  lp.fine = slots.data;
-  lp.coarse = coarse.data;
-  lp.gate = gate ? gate->data : nullptr;
-  if (block_sizes) {
-    lp.block_sizes = static_cast<const std::int32_t*>(block_sizes->data);
-    lp.block_sizes_stride = block_sizes->stride[0];
-  }
-  lp.dtype = int(slots.dtype);
-  lp.coarse_dtype = int(coarse.dtype);
-  lp.batch = s.batch, lp.tiles = s.tiles, lp.tile_volume = tile_volume;
-  lp.heads = s.heads, lp.head_dim = s.head_dim;
-  lp.rows = slots.shape[1];
-  copy_strides(lp.fine_stride, slots);
-  copy_strides(lp.coarse_stride, coarse);
-  if (gate) copy_strides(lp.gate_stride, *gate);
-  lp.vectorize = aligned16(slots) && aligned16(coarse) && (!gate || aligned16(*gate));
-  lp.stream = stream;
-  return lp;
-}
-
-void throw_if(const char* function, const char* error) {
-  if (error) throw std::runtime_error(detail::concat(function, ": CUDA error: ", error));
-}
-
-// The launches of either mode, on parameters that launch_params (and, in the row mode,
-// set_row_mode) filled.
-void launch_forward(const char* fn, detail::CombineLaunchParams lp, const TensorView& out) {
-  lp.out = out.data;
-  copy_strides(lp.out_stride, out);
-  lp.vectorize = lp.vectorize && aligned16(out);
-  throw_if(fn, detail::launch_vsa_combine_cuda(lp));
-}
-
-void launch_backward(const char* fn, detail::CombineLaunchParams lp,
-                     const TensorView& grad_coarse, const std::optional<TensorView>& grad_gate) {
-  lp.grad_coarse = grad_coarse.data;
-  copy_strides(lp.grad_coarse_stride, grad_coarse);
-  if (grad_gate) {
-    lp.grad_gate = grad_gate->data;
-    copy_strides(lp.grad_gate_stride, *grad_gate);
-  }
-  lp.vectorize = lp.vectorize && aligned16(grad_coarse) && (!grad_gate || aligned16(*grad_gate));
-  throw_if(fn, detail::launch_vsa_combine_backward_cuda(lp));
-}
-#else
+#if !VIDATTN_WITH_CUDA
 [[noreturn]] void throw_no_cuda(const char* fn) {
   throw NotImplementedError(
       detail::concat(fn, ": this build of vidattn has no CUDA backend; pass CPU tensors"));
@@ -190,18 +118,16 @@ void vsa_combine(const TensorView& fine, const TensorView& coarse,
                  void* stream) {
   constexpr const char* kFn = "vidattn::vsa_combine";
   const ArgChecker check(kFn);
-  const CombineShape s = check_combine(check, fine, "fine", coarse, gate, block_sizes, tile_volume);
+  check_combine(check, fine, "fine", coarse, gate, block_sizes, tile_volume);
   check_output(check, out, "out", fine);
   if (fine.numel() == 0) return;
   if (on_cpu(fine))
     return detail::cpu_vsa_combine(fine, coarse, gate, block_sizes, tile_volume, out,
                                    num_threads);
 #if VIDATTN_WITH_CUDA
-  detail::CombineLaunchParams lp =
-      launch_params(s, fine, coarse, gate, &block_sizes, tile_volume, stream);
-  launch_forward(kFn, lp, out);
+  detail::cuda_vsa_combine(fine, coarse, gate, block_sizes, tile_volume, out, stream);
 #else
-  (void)s, (void)stream;
+  (void)stream;
   throw_no_cuda(kFn);
 #endif
 }
@@ -213,19 +139,17 @@ void vsa_combine_backward(const TensorView& grad_out, const TensorView& coarse,
                           void* stream) {
   constexpr const char* kFn = "vidattn::vsa_combine_backward";
   const ArgChecker check(kFn);
-  const CombineShape s =
-      check_combine(check, grad_out, "grad_out", coarse, gate, block_sizes, tile_volume);
+  check_combine(check, grad_out, "grad_out", coarse, gate, block_sizes, tile_volume);
   check_backward_outputs(check, grad_out, coarse, gate, grad_coarse, grad_gate);
   if (coarse.numel() == 0 && grad_out.numel() == 0) return;
   if (on_cpu(grad_out))
     return detail::cpu_vsa_combine_backward(grad_out, coarse, gate, block_sizes, tile_volume,
                                             grad_coarse, grad_gate, num_threads);
 #if VIDATTN_WITH_CUDA
-  detail::CombineLaunchParams lp =
-      launch_params(s, grad_out, coarse, gate, &block_sizes, tile_volume, stream);
-  launch_backward(kFn, lp, grad_coarse, grad_gate);
+  detail::cuda_vsa_combine_backward(grad_out, coarse, gate, block_sizes, tile_volume,
+                                    grad_coarse, grad_gate, stream);
 #else
-  (void)s, (void)stream;
+  (void)stream;
   throw_no_cuda(kFn);
 #endif
 }
@@ -234,7 +158,7 @@ namespace {
 
 // Row mode (vsa_combine_rows): `rows` [B, R, H, D] of a raster sequence, coarse [B, Tiles, H,
 // D] in the rows' dtype or float32, the tiling's two maps.
-CombineShape check_combine_rows(const ArgChecker& check, const TensorView& rows,
+void check_combine_rows(const ArgChecker& check, const TensorView& rows,
                                 const char* rows_name, const TensorView& coarse,
                                 const std::optional<TensorView>& gate,
                                 const TensorView& token_to_slot,
@@ -269,18 +193,8 @@ CombineShape check_combine_rows(const ArgChecker& check, const TensorView& rows,
                              ": argument 'coarse' must be float64 with float64 rows, got ",
                              dtype_name(coarse.dtype));
   check_rows_gate_coarse(check, rows, rows_name, coarse, gate, "(the shape of the rows)");
-  return s;
 }
 
-#if VIDATTN_WITH_CUDA
-void set_row_mode(detail::CombineLaunchParams& lp, const TensorView& token_to_slot,
-                  const TensorView& slot_to_token, std::int64_t first_token) {
-  lp.token_to_slot = static_cast<const std::int32_t*>(token_to_slot.data);
-  lp.slot_to_token = static_cast<const std::int32_t*>(slot_to_token.data);
-  lp.num_tokens = token_to_slot.shape[0];
-  lp.first_token = first_token;
-}
-#endif
 
 }  // namespace
 
@@ -291,20 +205,18 @@ void vsa_combine_rows(const TensorView& fine, const TensorView& coarse,
                       void* stream) {
   constexpr const char* kFn = "vidattn::vsa_combine_rows";
   const ArgChecker check(kFn);
-  const CombineShape s = check_combine_rows(check, fine, "fine", coarse, gate, token_to_slot,
-                                            slot_to_token, tile_volume, first_token);
+  check_combine_rows(check, fine, "fine", coarse, gate, token_to_slot, slot_to_token,
+                     tile_volume, first_token);
   check_output(check, out, "out", fine);
   if (fine.numel() == 0) return;
   if (on_cpu(fine))
     return detail::cpu_vsa_combine_rows(fine, coarse, gate, token_to_slot, slot_to_token,
                                         tile_volume, first_token, out, num_threads);
 #if VIDATTN_WITH_CUDA
-  detail::CombineLaunchParams lp =
-      launch_params(s, fine, coarse, gate, nullptr, tile_volume, stream);
-  set_row_mode(lp, token_to_slot, slot_to_token, first_token);
-  launch_forward(kFn, lp, out);
+  detail::cuda_vsa_combine_rows(fine, coarse, gate, token_to_slot, slot_to_token, tile_volume,
+                                first_token, out, stream);
 #else
-  (void)s, (void)stream;
+  (void)stream;
   throw_no_cuda(kFn);
 #endif
 }
@@ -318,9 +230,8 @@ void vsa_combine_rows_backward(const TensorView& grad_out, const TensorView& coa
                                void* stream) {
   constexpr const char* kFn = "vidattn::vsa_combine_rows_backward";
   const ArgChecker check(kFn);
-  const CombineShape s =
-      check_combine_rows(check, grad_out, "grad_out", coarse, gate, token_to_slot,
-                         slot_to_token, tile_volume, first_token);
+  check_combine_rows(check, grad_out, "grad_out", coarse, gate, token_to_slot, slot_to_token,
+                     tile_volume, first_token);
   check_backward_outputs(check, grad_out, coarse, gate, grad_coarse, grad_gate);
   if (coarse.numel() == 0 && grad_out.numel() == 0) return;
   if (on_cpu(grad_out))
@@ -328,12 +239,11 @@ void vsa_combine_rows_backward(const TensorView& grad_out, const TensorView& coa
                                                  slot_to_token, tile_volume, first_token,
                                                  grad_coarse, grad_gate, num_threads);
 #if VIDATTN_WITH_CUDA
-  detail::CombineLaunchParams lp =
-      launch_params(s, grad_out, coarse, gate, nullptr, tile_volume, stream);
-  set_row_mode(lp, token_to_slot, slot_to_token, first_token);
-  launch_backward(kFn, lp, grad_coarse, grad_gate);
+  detail::cuda_vsa_combine_rows_backward(grad_out, coarse, gate, token_to_slot, slot_to_token,
+                                         tile_volume, first_token, grad_coarse, grad_gate,
+                                         stream);
 #else
-  (void)s, (void)stream;
+  (void)stream;
   throw_no_cuda(kFn);
 #endif
 }

@@ -25,7 +25,6 @@ void cpu_vsa_combine_backward(const TensorView& grad_out, const TensorView& coar
                               const TensorView& grad_coarse,
                               const std::optional<TensorView>& grad_gate, int num_threads);
 
-
 // Row mode (vidattn::vsa_combine_rows); coarse may be float32 with 16-bit rows. The maps are
 // host data here and are checked against each other.
 void cpu_vsa_combine_rows(const TensorView& fine, const TensorView& coarse,
@@ -38,5 +37,30 @@ void cpu_vsa_combine_rows_backward(const TensorView& grad_out, const TensorView&
                                    const TensorView& slot_to_token, std::int64_t tile_volume,
                                    std::int64_t first_token, const TensorView& grad_coarse,
                                    const std::optional<TensorView>& grad_gate, int num_threads);
+
+#ifdef VIDATTN_WITH_CUDA
+// CUDA (src/cuda/vsa/combine.cu): the same calls, asynchronous on `stream`. Block sizes and
+// maps are device data here and are not checked: a slot past its tile's block size, or a map
+// entry out of range, leaves its row out of every tile. CUDA errors throw std::runtime_error.
+void cuda_vsa_combine(const TensorView& fine, const TensorView& coarse,
+                      const std::optional<TensorView>& gate, const TensorView& block_sizes,
+                      std::int64_t tile_volume, const TensorView& out, void* stream);
+void cuda_vsa_combine_backward(const TensorView& grad_out, const TensorView& coarse,
+                               const std::optional<TensorView>& gate,
+                               const TensorView& block_sizes, std::int64_t tile_volume,
+                               const TensorView& grad_coarse,
+                               const std::optional<TensorView>& grad_gate, void* stream);
+void cuda_vsa_combine_rows(const TensorView& fine, const TensorView& coarse,
+                           const std::optional<TensorView>& gate,
+                           const TensorView& token_to_slot, const TensorView& slot_to_token,
+                           std::int64_t tile_volume, std::int64_t first_token,
+                           const TensorView& out, void* stream);
+void cuda_vsa_combine_rows_backward(const TensorView& grad_out, const TensorView& coarse,
+                                    const std::optional<TensorView>& gate,
+                                    const TensorView& token_to_slot,
+                                    const TensorView& slot_to_token, std::int64_t tile_volume,
+                                    std::int64_t first_token, const TensorView& grad_coarse,
+                                    const std::optional<TensorView>& grad_gate, void* stream);
+#endif
 
 }  // namespace vidattn::detail

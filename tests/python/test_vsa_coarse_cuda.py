@@ -1,6 +1,6 @@
-"""The VSA coarse stage and tiling gathers on CUDA (src/cuda/vsa_coarse.cu) against the CPU ops
-and float64 references: gather_tokens (tile / untile), tile_mean_pool (+ backward),
-topk_tiles and topk_tiles_from_scores. Skipped without a CUDA device."""
+"""The VSA coarse stage and tiling gathers on CUDA (src/cuda/vsa/: gather.cu, pool.cu, topk.cu)
+against the CPU ops and float64 references: gather_tokens (tile / untile), tile_mean_pool
+(+ backward), topk_tiles and topk_tiles_from_scores. Skipped without a CUDA device."""
 from __future__ import annotations
 
 import math
@@ -240,12 +240,11 @@ def test_topk_tiles_nan_and_inf_on_the_tensor_core_path(dtype):
 
 
 # The tensor-core selection (bf16 / fp16, D in {32, 64, 128, 256}) bins each row's scores by
-# value while it computes them (v3, the default; VIDATTN_TOPK_IMPL=v2 selects the radix-only
-# kernel) and ranks only the threshold bin's candidates, falling back to the radix select when
-# a bin holds more than 64. Integer-valued inputs with D = 64 (scale 1/8) make every score exact
-# in fp32 whatever the summation order, so these rows must equal the CPU op bit for bit: ties
-# around the threshold, all-equal rows, NaN / +-inf / signed-zero rows, a huge outlier that
-# squeezes a row into one bin (candidate overflow), k = 1, k = n - 1, k = n.
+# value while it computes them and ranks only the threshold bin's candidates, falling back to
+# the radix select when a bin holds more than 64. Integer-valued inputs with D = 64 (scale 1/8)
+# make every score exact in fp32 whatever the summation order, so these rows must equal the CPU
+# op bit for bit: ties around the threshold, all-equal rows, NaN / +-inf / signed-zero rows, a
+# huge outlier that squeezes a row into one bin (candidate overflow), k = 1, k = n - 1, k = n.
 
 def integer_tensor(shape, seed, low, high, dtype):
     g = torch.Generator().manual_seed(seed)
@@ -312,49 +311,6 @@ def test_topk_tiles_tensor_core_exact_packed_videos(sparsity):
         for topk in (1, 40, 700):
             assert_topk_equals_cpu(qc, kc, topk, sparsity=sparsity, cu_tiles_q=tq.cu_tiles,
                                    cu_tiles_k=tk.cu_tiles)
-
-
-V2_SCRIPT = r"""
-import sys, torch, vidattn
-args = torch.load(sys.argv[1])
-out = [torch.ops.vidattn.topk_tiles(q.cuda(), k.cuda(), topk, **kw) for (q, k, topk), kw in args]
-torch.save([(i.cpu(), c.cpu()) for i, c in out], sys.argv[2])
-"""
-
-
-def test_topk_tiles_default_equals_v2_kernel(tmp_path):
-    """The default tensor-core selection against VIDATTN_TOPK_IMPL=v2 (read once per process,
-    so v2 runs in a child process) on the same bf16 / fp16 inputs: the fp32 scores are the same
-    mma sequence, so the results must be identical, including near-ties, Gaussian and
-    heavy-tailed rows (the latter overflow the bins and take the fallback)."""
-    import os
-    import subprocess
-    import sys
-    cases = []
-    g = torch.Generator().manual_seed(90)
-    for Qt, Kt, H, D, topk, dtype in ((624, 624, 3, 128, 63, torch.bfloat16),
-                                      (1440, 1440, 1, 128, 144, torch.bfloat16),
-                                      (300, 517, 2, 64, 52, torch.float16),
-                                      (100, 1440, 1, 256, 144, torch.bfloat16),
-                                      (77, 333, 2, 32, 1, torch.float16)):
-        x = torch.randn((1, Qt * 64, H, D), generator=g).to(dtype) / 8
-        kc = torch.randn((1, Kt, H, D), generator=g).to(dtype)
-        qc = x.view(1, Qt, 64, H, D).float().mean(2).to(dtype)
-        cases.append(((qc, kc, topk), {}))
-        heavy = (torch.randn((1, Kt, H, D), generator=g) /
-                 torch.randn((1, Kt, 1, 1), generator=g).abs().clamp(min=1e-3)).to(dtype)
-        cases.append(((qc, heavy.clamp(-60000, 60000), topk), {}))
-        cases.append(((qc, kc, topk), dict(sparsity=0.9)))
-    cases = [((qc.cuda(), kc.cuda(), topk), kw) for (qc, kc, topk), kw in cases]
-    got = [ops.topk_tiles(*a, **kw) for a, kw in cases]
-    torch.save([((qc.cpu(), kc.cpu(), topk), kw) for (qc, kc, topk), kw in cases], tmp_path / "in.pt")
-    env = dict(os.environ, VIDATTN_TOPK_IMPL="v2")
-    subprocess.run([sys.executable, "-c", V2_SCRIPT, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")],
-                   env=env, check=True)
-    want = torch.load(tmp_path / "out.pt")
-    for (idx, cnt), (widx, wcnt) in zip(got, want):
-        assert torch.equal(cnt.cpu(), wcnt)
-        assert torch.equal(idx.cpu(), widx)
 
 
 @pytest.mark.parametrize("sparsity", [None, 0.5, 0.9])

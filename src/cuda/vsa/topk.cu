@@ -1,278 +1,72 @@
-// CUDA kernels of the VSA tiling gathers and coarse stage: gather_tokens (tile / untile),
-// tile mean pooling and its backward, top-k tile selection (from pooled q, k or from given
-// scores). Interface in vsa_coarse_launch.h; the CPU reference is src/cpu/vsa_cpu.cpp.
+// Top-k key-tile selection on CUDA: select_topk_tiles (coarse scores from pooled q and k, then
+// the selection) and topk_tiles_from_scores (the selection from given scores). The CPU
+// reference is cpu_select_topk_tiles / cpu_topk_tiles_from_scores (src/cpu/vsa_cpu.cpp).
 //
-// Selection design: one CTA scores a block of up to 16 query tiles against the key tiles of
-// their videos into shared memory, then each warp selects its rows there with an 8-bit-digit
-// radix select on order-preserving integer keys, followed by an index-ordered warp compaction.
-// That gives the CPU's exact rule: exactly k per row, ties to the lowest index (the compaction
-// takes the tied elements in index order), NaN ranked as -inf, +0 == -0, indices strictly
-// ascending. No score tensor reaches global memory. The scores come from tensor-core mma.sync
-// (fp32 accumulation) for bf16 / fp16 with a head dim of 32, 64, 128 or 256 and 16-byte
-// aligned rows, else from register-tiled SIMT products over shared-memory slices of q and k
-// (fp32 accumulation, fp64 for fp64); the two differ only in how the fp32 sums are ordered and
-// rounded (the products of 16-bit floats are exact in fp32).
-// The tensor-core path's default (v3, vsa_select_topk_bins_kernel) replaces the per-row radix
-// passes with value bins filled while scoring and one pass per row (see its comment);
-// VIDATTN_TOPK_IMPL=v2 keeps the radix-select kernel, with identical results.
+// Design: one CTA scores a block of up to 16 query tiles against the key tiles of their videos
+// into shared memory; then one warp per row selects there. No score tensor reaches global
+// memory. Every path gives the CPU's exact rule: exactly k per row, ties to the lowest index,
+// NaN ranked as -inf, +0 == -0, indices strictly ascending.
+//  * Tensor-core scores (bf16 / fp16, head dim 32, 64, 128 or 256, 16-byte aligned rows):
+//    vsa_select_topk_bins_kernel. While scoring it fills a histogram of value bins per row,
+//    then one pass per row keeps the bins above the k-th largest and ranks the few candidates
+//    of its bin (bins_select_row); rows whose bin holds too many candidates take the radix
+//    select below.
+//  * Anything else (float32, float64, other head dims, unaligned views):
+//    vsa_select_topk_kernel, register-tiled SIMT products over shared-memory slices of q and
+//    k (fp32 accumulation, fp64 for fp64), then a radix select per row (warp_select_row: an
+//    8-bit-digit radix select on order-preserving integer keys and an index-ordered warp
+//    compaction).
+//  * Given scores: vsa_topk_from_scores_kernel, the radix select on rows read from global
+//    memory.
+// The two score paths differ only in how the fp32 sums are ordered and rounded (the products
+// of 16-bit floats are exact in fp32).
+//
+// cu_tiles offsets cannot be checked without a host sync, so the kernels clamp them to
+// [0, tiles] (a query tile outside every video gets count 0); valid offsets give exactly the
+// CPU results.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <cfloat>
+#include <climits>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
-#include "common/dtype_io.cuh"
-#include "common/mma_utils.h"
-#include "vsa_coarse_launch.h"
+#include "../../core/check.h"
+#include "../../core/vsa_backends.h"
+#include "../common/check.h"
+#include "../common/device_guard.h"
+#include "../common/dtype_dispatch.h"
+#include "../common/dtype_io.cuh"
+#include "../common/mma_utils.h"
+#include "launch_utils.h"
 
-namespace vidattn::detail {
+namespace vidattn::cuda_vsa {
 namespace {
 
 using cuda_common::Io;
 
-// Calls f(T{}) with the storage type of a dtype code.
-template <class F>
-void visit_dtype(int dtype, F&& f) {
-  switch (dtype) {
-    case 1: return f(__half{});
-    case 2: return f(__nv_bfloat16{});
-    case 3: return f(double{});
-    default: return f(float{});
-  }
-}
-
-template <class T>
-using AccOf = typename std::conditional<std::is_same<T, double>::value, double, float>::type;
-
-// Makes `device` current for the launches in scope and restores the caller's device.
-class DeviceScope {
- public:
-  explicit DeviceScope(int device) {
-    if (cudaGetDevice(&previous_) != cudaSuccess) {
-      error_ = "cudaGetDevice failed";
-      return;
-    }
-    if (previous_ == device) previous_ = -1;
-    else if (cudaSetDevice(device) != cudaSuccess) error_ = "cudaSetDevice failed";
-  }
-  ~DeviceScope() {
-    if (previous_ >= 0) cudaSetDevice(previous_);
-  }
-  const char* error() const { return error_; }
-
- private:
-  int previous_ = -1;
-  const char* error_ = nullptr;
+// select_topk_tiles (scores from q, k) or, with `scores` set, the selection from given scores.
+struct TopkParams {
+  const void* q = nullptr;        // q_pooled [B, Qtiles, Hq, D]
+  const void* k = nullptr;        // k_pooled [B, Ktiles, Hkv, D]
+  const void* scores = nullptr;   // [B, H, Qtiles, Ktiles], topk_tiles_from_scores only
+  std::int64_t batch = 0, q_tiles = 0, k_tiles = 0, heads_q = 0, heads_kv = 0, head_dim = 0;
+  std::int64_t q_stride[3] = {}, k_stride[3] = {};
+  std::int64_t scores_stride[3] = {};  // batch, head, query tile (unit-stride key tiles)
+  double scale = 1.0;
+  std::int64_t topk = 1, max_k = 0;
+  bool has_sparsity = false;
+  double sparsity = 0.0;
+  const std::int32_t* cu_tiles_q = nullptr;  // [num_videos + 1] or null
+  const std::int32_t* cu_tiles_k = nullptr;
+  std::int64_t cu_q_stride = 1, cu_k_stride = 1, num_videos = 0;
+  std::int32_t* index = nullptr;  // q2k_index [B, H, Qtiles, MaxK]
+  std::int64_t index_stride[4] = {};
+  std::int32_t* count = nullptr;  // q2k_count [B, H, Qtiles]
+  std::int64_t count_stride[3] = {};
 };
-
-const char* last_error() {
-  const cudaError_t status = cudaGetLastError();
-  return status == cudaSuccess ? nullptr : cudaGetErrorString(status);
-}
-
-unsigned grid_for(std::int64_t total, int threads) {
-  const std::int64_t blocks = (total + threads - 1) / threads;
-  // Enough blocks to fill any current GPU; grid-stride loops cover the rest.
-  return unsigned(blocks < 65536 ? blocks : 65536);
-}
-
-// ---- gather_tokens ------------------------------------------------------------------------
-
-// One thread per Vec-sized chunk of a [D] row; Vec is the widest copy unit that the row length,
-// the pointers and the strides allow (16 bytes for bf16/fp16 D % 8 == 0 on aligned tensors).
-template <class Vec>
-__global__ void vsa_gather_tokens_kernel(VsaGatherLaunch p, std::int64_t elem_size) {
-  const std::int64_t chunks = p.head_dim * elem_size / std::int64_t(sizeof(Vec));
-  const std::int64_t total = p.batch * p.rows * p.heads * chunks;
-  const auto* x = static_cast<const char*>(p.x);
-  auto* out = static_cast<char*>(p.out);
-  const std::int64_t step = std::int64_t(gridDim.x) * blockDim.x;
-  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += step) {
-    const std::int64_t c = i % chunks;
-    std::int64_t r = i / chunks;
-    const std::int64_t h = r % p.heads;
-    r /= p.heads;
-    const std::int64_t n = r % p.rows, b = r / p.rows;
-    const std::int32_t src = p.index[n * p.index_stride];
-    Vec v{};  // zero bits are +0 in every float dtype
-    if (src >= 0 && src < p.seqlen)
-      v = *reinterpret_cast<const Vec*>(
-          x + (b * p.x_stride[0] + src * p.x_stride[1] + h * p.x_stride[2]) * elem_size +
-          c * std::int64_t(sizeof(Vec)));
-    *reinterpret_cast<Vec*>(out +
-                            (b * p.out_stride[0] + n * p.out_stride[1] + h * p.out_stride[2]) *
-                                elem_size +
-                            c * std::int64_t(sizeof(Vec))) = v;
-  }
-}
-
-// ---- tile mean pool -----------------------------------------------------------------------
-
-__device__ __forceinline__ std::int64_t clamped_size(const VsaPoolLaunch& p, std::int64_t t) {
-  const std::int64_t n = p.block_sizes[t * p.block_sizes_stride];
-  return n < 0 ? 0 : (n > p.tile_volume ? p.tile_volume : n);
-}
-
-// One thread per output element; the sum runs over the tile's slots in order, like the CPU
-// backend, so float32 / float64 results match it bit for bit.
-template <class T>
-__global__ void vsa_tile_mean_pool_kernel(VsaPoolLaunch p) {
-  using Acc = AccOf<T>;
-  const auto* x = static_cast<const T*>(p.x);
-  auto* out = static_cast<T*>(p.out);
-  const std::int64_t total = p.batch * p.tiles * p.heads * p.head_dim;
-  const std::int64_t step = std::int64_t(gridDim.x) * blockDim.x;
-  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += step) {
-    const std::int64_t d = i % p.head_dim;
-    std::int64_t r = i / p.head_dim;
-    const std::int64_t h = r % p.heads;
-    r /= p.heads;
-    const std::int64_t t = r % p.tiles, b = r / p.tiles;
-    const std::int64_t n = clamped_size(p, t);
-    const T* src = x + b * p.x_stride[0] + t * p.tile_volume * p.x_stride[1] +
-                   h * p.x_stride[2] + d;
-    Acc sum = Acc(0);
-#pragma unroll 4
-    for (std::int64_t s = 0; s < n; ++s) sum += Io<T>::template load<Acc>(src[s * p.x_stride[1]]);
-    const Acc inv = n > 0 ? Acc(1) / Acc(n) : Acc(0);
-    out[b * p.out_stride[0] + t * p.out_stride[1] + h * p.out_stride[2] + d] =
-        Io<T>::template store<Acc>(sum * inv);
-  }
-}
-
-// grad_x[b, t * V + s, h, d] = grad_out[b, t, h, d] / n for s < n, else 0. A block is 8 rows
-// (b, slot, h) of 32 lanes that stride over d: the row's index arithmetic (in `Index`, 32-bit
-// when it fits) is paid once per row, not per element.
-template <class T, class Index>
-__global__ void vsa_tile_mean_pool_backward_kernel(VsaPoolLaunch p) {
-  using Acc = AccOf<T>;
-  const auto* g = static_cast<const T*>(p.x);
-  auto* out = static_cast<T*>(p.out);
-  const Index V = Index(p.tile_volume), H = Index(p.heads), slots = Index(p.tiles) * V;
-  const Index rows = Index(p.batch) * slots * H;
-  const Index step = Index(gridDim.x) * blockDim.y;
-  for (Index row = Index(blockIdx.x) * blockDim.y + threadIdx.y; row < rows; row += step) {
-    const Index h = row % H, bs = row / H;
-    const Index slot = bs % slots, b = bs / slots;
-    const Index t = slot / V, s = slot % V;
-    const std::int64_t n = clamped_size(p, t);
-    const T* src = g + std::int64_t(b) * p.x_stride[0] + std::int64_t(t) * p.x_stride[1] +
-                   std::int64_t(h) * p.x_stride[2];
-    T* dst = out + std::int64_t(b) * p.out_stride[0] + std::int64_t(slot) * p.out_stride[1] +
-             std::int64_t(h) * p.out_stride[2];
-    const Acc inv = n > 0 ? Acc(1) / Acc(n) : Acc(0);
-    for (std::int64_t d = threadIdx.x; d < p.head_dim; d += 32)
-      dst[d] = Io<T>::template store<Acc>(s < n ? Io<T>::template load<Acc>(src[d]) * inv : Acc(0));
-  }
-}
-
-// 16-byte vector forms of the two pooling kernels, for rows of D % (16 / sizeof(T)) == 0 on
-// 16-byte aligned tensors (the launcher checks). Each element keeps exactly the arithmetic of the
-// scalar kernels (forward: a sum over the tile's slots in slot order, like the CPU backend), so
-// every dtype stays bit-identical with the CPU op; only the memory access is wider.
-template <class T>
-union Vec16 {
-  uint4 raw;
-  T elem[16 / sizeof(T)];
-};
-
-// One thread per (b, t, h, 16-byte run of d); runs are the fastest index, so a warp reads whole
-// rows of consecutive heads. kAhead slots are loaded before any is added: independent 16-byte
-// loads in flight per thread, while the additions stay in slot order.
-template <class T>
-__global__ void __launch_bounds__(256) vsa_tile_mean_pool_vec_kernel(VsaPoolLaunch p) {
-  using Acc = AccOf<T>;
-  constexpr int kRun = 16 / int(sizeof(T));
-  constexpr int kAhead = 8;
-  const auto* x = static_cast<const T*>(p.x);
-  auto* out = static_cast<T*>(p.out);
-  const std::int64_t runs = p.head_dim / kRun;
-  const std::int64_t total = p.batch * p.tiles * p.heads * runs;
-  const std::int64_t step = std::int64_t(gridDim.x) * blockDim.x;
-  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += step) {
-    const std::int64_t c = i % runs;
-    std::int64_t r = i / runs;
-    const std::int64_t h = r % p.heads;
-    r /= p.heads;
-    const std::int64_t t = r % p.tiles, b = r / p.tiles;
-    const int n = int(clamped_size(p, t));
-    const T* src = x + b * p.x_stride[0] + t * p.tile_volume * p.x_stride[1] +
-                   h * p.x_stride[2] + c * kRun;
-    Acc sum[kRun];
-#pragma unroll
-    for (int e = 0; e < kRun; ++e) sum[e] = Acc(0);
-    for (int s0 = 0; s0 < n; s0 += kAhead) {
-      Vec16<T> buf[kAhead];
-#pragma unroll
-      for (int u = 0; u < kAhead; ++u)
-        buf[u].raw = s0 + u < n
-                         ? __ldg(reinterpret_cast<const uint4*>(src + (s0 + u) * p.x_stride[1]))
-                         : make_uint4(0, 0, 0, 0);
-#pragma unroll
-      for (int u = 0; u < kAhead; ++u)
-        if (s0 + u < n)
-#pragma unroll
-          for (int e = 0; e < kRun; ++e) sum[e] += Io<T>::template load<Acc>(buf[u].elem[e]);
-    }
-    const Acc inv = n > 0 ? Acc(1) / Acc(n) : Acc(0);
-    Vec16<T> res;
-#pragma unroll
-    for (int e = 0; e < kRun; ++e) res.elem[e] = Io<T>::template store<Acc>(sum[e] * inv);
-    *reinterpret_cast<uint4*>(out + b * p.out_stride[0] + t * p.out_stride[1] +
-                              h * p.out_stride[2] + c * kRun) = res.raw;
-  }
-}
-
-// One thread per (b, t, group of kSlots slots, h, 16-byte run of d): one load of grad_out, one
-// conversion, then kSlots independent 16-byte stores (the value, or zeros past the tile's size).
-constexpr int kPoolBwdSlots = 16;
-template <class T>
-__global__ void __launch_bounds__(256) vsa_tile_mean_pool_backward_vec_kernel(VsaPoolLaunch p) {
-  using Acc = AccOf<T>;
-  constexpr int kRun = 16 / int(sizeof(T));
-  const auto* g = static_cast<const T*>(p.x);
-  auto* out = static_cast<T*>(p.out);
-  const std::int64_t runs = p.head_dim / kRun;
-  const std::int64_t groups = (p.tile_volume + kPoolBwdSlots - 1) / kPoolBwdSlots;
-  const std::int64_t total = p.batch * p.tiles * groups * p.heads * runs;
-  const std::int64_t step = std::int64_t(gridDim.x) * blockDim.x;
-  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
-       i += step) {
-    const std::int64_t c = i % runs;
-    std::int64_t r = i / runs;
-    const std::int64_t h = r % p.heads;
-    r /= p.heads;
-    const std::int64_t grp = r % groups;
-    r /= groups;
-    const std::int64_t t = r % p.tiles, b = r / p.tiles;
-    const std::int64_t n = clamped_size(p, t);
-    const Acc inv = n > 0 ? Acc(1) / Acc(n) : Acc(0);
-    Vec16<T> in, val;
-    in.raw = __ldg(reinterpret_cast<const uint4*>(g + b * p.x_stride[0] + t * p.x_stride[1] +
-                                                  h * p.x_stride[2] + c * kRun));
-#pragma unroll
-    for (int e = 0; e < kRun; ++e)
-      val.elem[e] = Io<T>::template store<Acc>(Io<T>::template load<Acc>(in.elem[e]) * inv);
-    const std::int64_t s0 = grp * kPoolBwdSlots;
-    T* dst = out + b * p.out_stride[0] + (t * p.tile_volume + s0) * p.out_stride[1] +
-             h * p.out_stride[2] + c * kRun;
-#pragma unroll 4
-    for (int u = 0; u < kPoolBwdSlots; ++u) {
-      const std::int64_t s = s0 + u;
-      if (s >= p.tile_volume) break;
-      // Zero bits are +0, what the scalar path stores (Io<T>::store(Acc(0))).
-      *reinterpret_cast<uint4*>(dst + u * p.out_stride[1]) =
-          s < n ? val.raw : make_uint4(0, 0, 0, 0);
-    }
-  }
-}
 
 // ---- top-k selection ------------------------------------------------------------------------
 
@@ -296,6 +90,44 @@ __device__ std::int64_t device_topk_from_sparsity(double sparsity, std::int64_t 
   const double kept = ceil(__dsub_rn(__dmul_rn(1.0 - sparsity, double(n)), 1e-9));
   std::int64_t k = static_cast<std::int64_t>(kept);
   return k < 1 ? 1 : (k > n ? n : k);
+}
+
+// The bin of a 256-bin histogram (bins in ascending value order) that holds the k-th largest
+// counted element (1 <= k <= the total count), found by one warp: lane L owns bins
+// [8L, 8L + 8). Only lane `owner` holds the answer: the bin, how many of its elements are
+// among the k largest (`need`) and how many it holds (`count`); callers broadcast the fields
+// they use. The radix select (per 8-bit digit) and the binned selection (per value bin) share
+// it.
+struct ThresholdBin {
+  int owner, bin, need, count;
+};
+__device__ __forceinline__ ThresholdBin find_threshold_bin(const int* hist, int k) {
+  const int lane = threadIdx.x & 31;
+  int c[8], local = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) local += (c[i] = hist[lane * 8 + i]);
+  int inclusive = local;  // counts of this lane's bins and every higher lane's
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const int v = __shfl_down_sync(0xffffffffu, inclusive, off);
+    if (lane + off < 32) inclusive += v;
+  }
+  const int above = inclusive - local;
+  const unsigned owners = __ballot_sync(0xffffffffu, above < k && k <= inclusive);
+  ThresholdBin found{__ffs(owners) - 1, 0, k, 0};
+  if (lane == found.owner) {
+    int cum = above;
+    for (int i = 7; i >= 0; --i) {
+      if (cum + c[i] >= k) {
+        found.bin = lane * 8 + i;
+        found.need = k - cum;
+        found.count = c[i];
+        break;
+      }
+      cum += c[i];
+    }
+  }
+  return found;
 }
 
 // One warp writes the top `k` of score(0 .. n-1) as `offset + j`, ascending, into
@@ -322,33 +154,10 @@ __device__ void warp_select_row(const Score& score, int n, int k, int max_k, int
       if ((key & mask) == prefix) atomicAdd(&hist[int((key >> shift) & 255)], 1);
     }
     __syncwarp();
-    // Lane L owns bins [8L, 8L + 8); find the digit whose bin holds the remaining-th largest.
-    int c[8], local = 0;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) local += (c[i] = hist[lane * 8 + i]);
-    int inclusive = local;  // counts of this lane's bins and every higher lane's
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int v = __shfl_down_sync(0xffffffffu, inclusive, off);
-      if (lane + off < 32) inclusive += v;
-    }
-    const int above = inclusive - local;
-    const unsigned owner = __ballot_sync(0xffffffffu, above < remaining && remaining <= inclusive);
-    const int src = __ffs(owner) - 1;
-    int digit = 0, left = remaining;
-    if (lane == src) {
-      int cum = above;
-      for (int i = 7; i >= 0; --i) {
-        if (cum + c[i] >= remaining) {
-          digit = lane * 8 + i;
-          left = remaining - cum;
-          break;
-        }
-        cum += c[i];
-      }
-    }
-    digit = __shfl_sync(0xffffffffu, digit, src);
-    remaining = __shfl_sync(0xffffffffu, left, src);
+    // The digit whose bin holds the remaining-th largest.
+    const ThresholdBin found = find_threshold_bin(hist, remaining);
+    const int digit = __shfl_sync(0xffffffffu, found.bin, found.owner);
+    remaining = __shfl_sync(0xffffffffu, found.need, found.owner);
     prefix |= Key(digit) << shift;
     mask |= Key(255) << shift;
     __syncwarp();
@@ -385,7 +194,7 @@ std::size_t topk_smem_bytes(int rows, std::int64_t k_tiles) {
 }
 
 // The key-tile range [k0, k0 + n) of query tile t: its video's (packed) or all of them.
-__device__ void video_range(const VsaTopkLaunch& p, std::int64_t t, int* k0, int* n) {
+__device__ void video_range(const TopkParams& p, std::int64_t t, int* k0, int* n) {
   if (!p.cu_tiles_q) {
     *k0 = 0;
     *n = int(p.k_tiles);
@@ -421,7 +230,7 @@ __device__ void video_range(const VsaTopkLaunch& p, std::int64_t t, int* k0, int
   *n = end > begin ? int(end - begin) : 0;
 }
 
-__device__ int row_topk(const VsaTopkLaunch& p, int n) {
+__device__ int row_topk(const TopkParams& p, int n) {
   std::int64_t want = p.topk < n ? p.topk : n;
   if (p.has_sparsity && n > 0) {
     want = device_topk_from_sparsity(p.sparsity, n);
@@ -432,7 +241,7 @@ __device__ int row_topk(const VsaTopkLaunch& p, int n) {
 
 // Threads 0 .. kRowsMax - 1 record the key range of the CTA's query tiles t0 + r (an empty
 // range for rows past `rows` or the last tile). Read after the next __syncthreads.
-__device__ __forceinline__ void record_row_ranges(const VsaTopkLaunch& p, std::int64_t t0,
+__device__ __forceinline__ void record_row_ranges(const TopkParams& p, std::int64_t t0,
                                                   int rows, int* row_k0, int* row_n) {
   const int tid = threadIdx.x;
   if (tid < kRowsMax) {
@@ -459,7 +268,7 @@ __device__ __forceinline__ void key_range_union(const int* row_k0, const int* ro
 // Each warp selects the top-k of rows warp, warp + kWarps, ... from their scores (row r's
 // key j at scores[r * k_cap + row_k0[r] - kmin + j]) and writes index and count.
 template <int kWarps, class Acc>
-__device__ __forceinline__ void select_rows(const VsaTopkLaunch& p, const Acc* scores,
+__device__ __forceinline__ void select_rows(const TopkParams& p, const Acc* scores,
                                             std::int64_t k_cap, int kmin, const int* row_k0,
                                             const int* row_n, std::int64_t t0, int rows,
                                             int* hist) {
@@ -480,13 +289,13 @@ __device__ __forceinline__ void select_rows(const VsaTopkLaunch& p, const Acc* s
 }
 
 // Stages k[kc .. kc + kKeyChunk) x [ds, ds + kDSlice) into ks (transposed, as Acc). With kVec,
-// each thread copies 16-byte runs of the head dim (the launcher checks alignment and that
-// D is a multiple of the run); the loads of a thread are independent and issued together.
+// each thread copies 16-byte runs of the head dim (launch_simt_selection checks alignment
+// and that D is a multiple of the run); the loads of a thread are independent and issued together.
 template <class T, bool kVec>
 __device__ __forceinline__ void stage_keys(const T* k, std::int64_t key_stride, int kc, int kmax,
                                            std::int64_t ds, std::int64_t D, float* ks_f,
                                            double* ks_d) {
-  using Acc = AccOf<T>;
+  using Acc = cuda_common::AccumulatorOf<T>;
   Acc* ks = [&] {
     if constexpr (std::is_same<Acc, double>::value) return ks_d;
     else return ks_f;
@@ -527,8 +336,8 @@ __device__ __forceinline__ void stage_keys(const T* k, std::int64_t key_stride, 
 
 // kRowsPerWarp: 4 (16 query tiles per CTA) or 2 (8, when the grid would be too small).
 template <class T, int kRowsPerWarp, bool kVec>
-__global__ void __launch_bounds__(kTopkThreads) vsa_select_topk_kernel(VsaTopkLaunch p, int rows) {
-  using Acc = AccOf<T>;
+__global__ void __launch_bounds__(kTopkThreads) vsa_select_topk_kernel(TopkParams p, int rows) {
+  using Acc = cuda_common::AccumulatorOf<T>;
   constexpr int kRows = 4 * kRowsPerWarp;
   extern __shared__ __align__(16) unsigned char smem[];
   const std::int64_t k_cap = p.k_tiles;
@@ -600,7 +409,7 @@ __global__ void __launch_bounds__(kTopkThreads) vsa_select_topk_kernel(VsaTopkLa
 // Tensor-core scores for bf16 / fp16 with head dim kD (a multiple of 32): one CTA of 8 warps
 // takes up to kRowsMax query tiles (the 16 rows of one mma m16n8k16 A operand, rows past
 // `rows` or the last tile are zeros) and computes their scores against the key range of their
-// videos with fp32 accumulation; the selection that follows is the SIMT kernel's.
+// videos with fp32 accumulation (vsa_select_topk_bins_kernel below).
 //
 // Operand layout without shared-memory staging: for each 32-wide slice c of the head dim, lane
 // (g = lane / 4, q4 = lane % 4) loads 16 bytes, d in [32c + 8 q4, 32c + 8 q4 + 8), of query rows
@@ -623,16 +432,11 @@ constexpr int mma_key_groups() {
   return kD >= 128 ? 1 : 128 / kD;
 }
 
-std::size_t topk_mma_smem_bytes(int rows, std::int64_t k_tiles) {
-  return sizeof(float) * std::size_t(rows) * std::size_t(k_tiles) +
-         sizeof(int) * (kMmaWarps * 256 + 2 * kRowsMax);
-}
-
 // The A operand of the tensor-core scores: query tiles t0 + g and t0 + g + 8 of the CTA
 // (zeros for rows past `rows` or the last tile) in the register order described above; every
 // warp holds all 16 rows.
 template <class T, int kSlices>
-__device__ __forceinline__ void load_query_operand(const VsaTopkLaunch& p, const T* q,
+__device__ __forceinline__ void load_query_operand(const TopkParams& p, const T* q,
                                                    std::int64_t t0, int rows, int g, int q4,
                                                    std::uint32_t (&a)[2 * kSlices][4]) {
   const bool lo_ok = g < rows && t0 + g < p.q_tiles;
@@ -701,7 +505,7 @@ struct MmaTopkCta {
   std::int64_t t0, h, b;
   const T* q;
   const T* k;
-  __device__ __forceinline__ MmaTopkCta(const VsaTopkLaunch& p, int rows) {
+  __device__ __forceinline__ MmaTopkCta(const TopkParams& p, int rows) {
     lane = threadIdx.x & 31;
     warp = threadIdx.x >> 5;
     g = lane >> 2;
@@ -767,50 +571,14 @@ struct KeyStream {
   }
 };
 
-template <class T, int kD>
-__global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
-    vsa_select_topk_mma_kernel(VsaTopkLaunch p, int rows) {
-  static_assert(kD % 32 == 0, "the head dim is consumed in 32-wide slices");
-  constexpr int kSlices = kD / 32;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const std::int64_t k_cap = p.k_tiles;
-  float* scores = reinterpret_cast<float*>(smem);                     // [rows][k_cap]
-  int* hist = reinterpret_cast<int*>(scores + std::int64_t(rows) * k_cap);  // [8][256]
-  int* row_k0 = hist + kMmaWarps * 256;
-  int* row_n = row_k0 + kRowsMax;
-
-  const MmaTopkCta<T> cta(p, rows);
-  const int warp = cta.warp, g = cta.g, q4 = cta.q4;
-  const std::int64_t t0 = cta.t0;
-
-  record_row_ranges(p, t0, rows, row_k0, row_n);
-  // A operand (every warp holds all 16 rows), loaded while the ranges are being found.
-  std::uint32_t a[2 * kSlices][4];
-  load_query_operand<T, kSlices>(p, cta.q, t0, rows, g, q4, a);
-  __syncthreads();
-  int kmin, kmax;
-  key_range_union(row_k0, row_n, rows, &kmin, &kmax);
-
-  const float scale = float(p.scale);
-  const bool row_lo = g < rows, row_hi = g + 8 < rows;
-  KeyStream<T, kD> keys(cta.k, p.k_stride[1], kmin, kmax, warp, g, q4);
-  keys.score_all(a, [&](int key, float lo, float hi) {
-    if (row_lo) scores[std::int64_t(g) * k_cap + (key - kmin)] = lo * scale;
-    if (row_hi) scores[std::int64_t(g + 8) * k_cap + (key - kmin)] = hi * scale;
-  });
-  __syncthreads();
-  select_rows<kMmaWarps>(p, scores, k_cap, kmin, row_k0, row_n, t0, rows, hist);
-}
-
-// ---- top-k selection v3: value bins built while scoring, one pass per row -------------------
+// ---- the binned selection: value bins built while scoring, one pass per row ----------------
 //
-// Why: in v2 (above) each row costs four 8-bit radix passes over its scores (each a histogram
-// clear, an order_key per element, shared atomics that pile onto 2-4 bins in the first pass
-// because all scores share their sign and top exponent bits, a 256-bin scan) plus an
-// index-ordered compaction pass: about 5 full passes of 10-15 instructions per element, and
-// 8 query tiles per CTA at Wan 480p made every CTA stream all of k from L2 for few rows.
-// v3 keeps the tensor-core scores (the same mma sequence, so bit-identical fp32 scores) and
-// the exact selection rule, and cuts the per-row work to one pass over the row:
+// Why: a radix select (warp_select_row) costs each row four 8-bit passes over its scores (each
+// a histogram clear, an order_key per element, shared atomics that pile onto 2-4 bins in the
+// first pass because all scores share their sign and top exponent bits, a 256-bin scan) plus
+// an index-ordered compaction pass: about 5 full passes of 10-15 instructions per element.
+// The binned selection keeps the tensor-core scores and the exact selection rule, and cuts the
+// per-row work to one pass over the row:
 //  1. Sample: before the main product every warp scores 8 of 64 key tiles spread over the
 //     CTA's key range; per row the min / max of the finite sampled scores define 256 linear
 //     value bins over [min - r/8, max + r/8] (r = max - min). The sample only tunes the bins'
@@ -833,9 +601,10 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
 //     themselves exactly (cnt <= 64, typically a handful: for Gaussian-like rows ~0.5% of the
 //     row falls in one bin), and a pass over the ~k staged entries writes the output in index
 //     order. Rows with more than 64 candidates (many ties, all-equal or NaN rows, degenerate
-//     ranges) take v2's radix select on the same scores: exact, only slower.
-// Per element of a row this is ~20 warp instructions once instead of ~70 over five passes,
-// and 16 query tiles per CTA (v2 took 8 at Wan 480p) halve the key traffic from L2.
+//     ranges) take the radix select on the same scores: exact, only slower.
+// Per element of a row this is ~20 warp instructions once instead of ~70 over five passes.
+// With the cheaper selection a CTA takes 16 query tiles where the grid allows it (8 would
+// stream every key tile from L2 twice as often).
 constexpr int kBins = 256;          // value bins per row (the scan of warp_select_row)
 constexpr int kCandMax = 64;        // threshold-bin candidates ranked in the fast path
 constexpr int kSampleKeys = 8 * kMmaWarps;  // one 8-key mma group per warp
@@ -884,7 +653,7 @@ __device__ __forceinline__ void bin_params(std::uint32_t lo_key, std::uint32_t h
 
 std::size_t topk_bins_row_stride(std::int64_t k_tiles) {
   // A multiple of 32 words plus 8: the epilogue's stores from the 8 rows of an mma fragment
-  // land in different banks (2-way at most; a stride of 0 mod 32, like k_tiles = 1440 in v2,
+  // land in different banks (2-way at most; an unpadded stride of 0 mod 32, like k_tiles = 1440,
   // is 8-way).
   return std::size_t((k_tiles + 31) / 32 * 32 + 8);
 }
@@ -908,35 +677,11 @@ __device__ void bins_select_row(float* row, int n, int k, int max_k, int offset,
       out[slot * out_stride] = slot < take ? offset + slot : -1;
     return;
   }
-  // The threshold bin (holding the k-th largest): lane L owns bins [8L, 8L + 8).
-  int c[8], local = 0;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) local += (c[i] = hist[lane * 8 + i]);
-  int inclusive = local;  // counts of this lane's bins and every higher lane's
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const int v = __shfl_down_sync(0xffffffffu, inclusive, off);
-    if (lane + off < 32) inclusive += v;
-  }
-  const int above_lane = inclusive - local;
-  const unsigned owner = __ballot_sync(0xffffffffu, above_lane < k && k <= inclusive);
-  const int src = __ffs(owner) - 1;
-  int bin = 0, need = k, cnt = 0;
-  if (lane == src) {
-    int cum = above_lane;
-    for (int i = 7; i >= 0; --i) {
-      if (cum + c[i] >= k) {
-        bin = lane * 8 + i;
-        need = k - cum;
-        cnt = c[i];
-        break;
-      }
-      cum += c[i];
-    }
-  }
-  bin = __shfl_sync(0xffffffffu, bin, src);
-  need = __shfl_sync(0xffffffffu, need, src);
-  cnt = __shfl_sync(0xffffffffu, cnt, src);
+  // The threshold bin (holding the k-th largest).
+  const ThresholdBin found = find_threshold_bin(hist, k);
+  const int bin = __shfl_sync(0xffffffffu, found.bin, found.owner);
+  const int need = __shfl_sync(0xffffffffu, found.need, found.owner);
+  const int cnt = __shfl_sync(0xffffffffu, found.count, found.owner);
   __syncwarp();  // every lane has read hist before the fallback reuses it
   if (cnt > kCandMax) {
     warp_select_row<float>([row](int j) { return row[j]; }, n, k, max_k, offset, out, out_stride,
@@ -1006,13 +751,12 @@ __device__ void bins_select_row(float* row, int n, int k, int max_k, int offset,
   for (int slot = k + lane; slot < max_k; slot += 32) out[slot * out_stride] = -1;
 }
 
-// v3 of the tensor-core selection (the default; VIDATTN_TOPK_IMPL=v2 selects the kernel above).
-// Same CTA shape, operand layout and mma sequence as vsa_select_topk_mma_kernel, so the same
-// fp32 scores; plus the sample (1.), the binned epilogue (2.) and bins_select_row (4.).
+// The tensor-core selection: the scores of the operand layout above (KeyStream), the sample
+// (1.), the binned epilogue (2.) and bins_select_row (4.).
 // `stride` is the row stride of the scores in shared memory (topk_bins_row_stride).
 template <class T, int kD>
 __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
-    vsa_select_topk_bins_kernel(VsaTopkLaunch p, int rows, int stride) {
+    vsa_select_topk_bins_kernel(TopkParams p, int rows, int stride) {
   static_assert(kD % 32 == 0, "the head dim is consumed in 32-wide slices");
   constexpr int kSlices = kD / 32;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -1135,8 +879,8 @@ __global__ void __launch_bounds__(kMmaThreads, kD >= 128 ? 2 : 3)
 
 // One warp per row of given scores, read straight from global memory (L1/L2 serve the passes).
 template <class T>
-__global__ void __launch_bounds__(kTopkThreads) vsa_topk_from_scores_kernel(VsaTopkLaunch p) {
-  using Acc = AccOf<T>;
+__global__ void __launch_bounds__(kTopkThreads) vsa_topk_from_scores_kernel(TopkParams p) {
+  using Acc = cuda_common::AccumulatorOf<T>;
   __shared__ int hist[kTopkThreads / 32][256];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const std::int64_t t = std::int64_t(blockIdx.x) * (kTopkThreads / 32) + warp;
@@ -1152,233 +896,188 @@ __global__ void __launch_bounds__(kTopkThreads) vsa_topk_from_scores_kernel(VsaT
   if (lane == 0) p.count[b * p.count_stride[0] + h * p.count_stride[1] + t * p.count_stride[2]] = want;
 }
 
-// VIDATTN_TOPK_IMPL=v2 selects the previous tensor-core selection kernel (for A/B timing in
-// one process); read once.
-bool topk_impl_v2() {
-  static const bool v2 = [] {
-    const char* impl = std::getenv("VIDATTN_TOPK_IMPL");
-    return impl != nullptr && std::strcmp(impl, "v2") == 0;
-  }();
-  return v2;
+
+constexpr const char* kSelectFn = "vidattn::select_topk_tiles";
+constexpr const char* kFromScoresFn = "vidattn::topk_tiles_from_scores";
+
+// Where a CUDA selection kernel cannot run: NotImplementedError, so that callers can fall back
+// to CPU tensors.
+[[noreturn]] void throw_smem_limit(std::int64_t k_tiles) {
+  throw NotImplementedError(detail::concat(
+      kSelectFn, ": too many key tiles per row for the CUDA selection's shared memory (", k_tiles,
+      " key tiles); use CPU tensors or fewer key tiles"));
 }
 
-bool aligned(const void* ptr, std::int64_t bytes) {
-  return reinterpret_cast<std::uintptr_t>(ptr) % std::uintptr_t(bytes) == 0;
+[[noreturn]] void throw_grid_limit(const char* function, std::int64_t batch, std::int64_t heads) {
+  throw NotImplementedError(detail::concat(
+      function, ": the CUDA selection supports a batch and heads of at most 65535 each, got B = ",
+      batch, ", H = ", heads, "; use CPU tensors"));
 }
 
-}  // namespace
+// A failed attribute call also sets the thread's last error: it is cleared here, so that it
+// does not surface again at the launch check.
+template <class Kernel>
+void set_kernel_attribute(Kernel kernel, cudaFuncAttribute attribute, int value) {
+  const cudaError_t status = cudaFuncSetAttribute(kernel, attribute, value);
+  if (status != cudaSuccess) cudaGetLastError();
+  cuda_common::check_cuda(status, "vidattn::select_topk_tiles: cudaFuncSetAttribute");
+}
 
-const char* launch_vsa_gather_tokens(const VsaGatherLaunch& p) {
-  if (p.batch * p.rows * p.heads * p.head_dim == 0) return nullptr;
-  const DeviceScope scope(p.device);
-  if (scope.error()) return scope.error();
-  const std::int64_t es = p.dtype == 3 ? 8 : (p.dtype == 0 ? 4 : 2);
-  // The widest copy unit that divides the row and every address the kernel forms.
-  std::int64_t width = 16;
-  for (; width > es; width /= 2) {
-    bool ok = (p.head_dim * es) % width == 0 && aligned(p.x, width) && aligned(p.out, width);
-    for (int d = 0; d < 3 && ok; ++d)
-      ok = (p.x_stride[d] * es) % width == 0 && (p.out_stride[d] * es) % width == 0;
-    if (ok) break;
+// The tensor-core selection (bf16 / fp16 T, head dim 32, 64, 128 or 256, aligned rows).
+template <class T>
+void launch_bins_selection(const TopkParams& p, int max_smem, int sms, cudaStream_t stream) {
+  // 16 query tiles per CTA unless the grid would then leave SMs idle (each row's scores are
+  // computed the same way whatever the grouping; fewer rows per CTA stream every key tile from
+  // L2 more often); halved further while the rows of scores do not fit in shared memory.
+  const bool few = ((p.q_tiles + kRowsMax - 1) / kRowsMax) * p.heads_q * p.batch < sms;
+  int rows = few ? kRowsMax / 2 : kRowsMax;
+  while (rows > 1 && topk_bins_smem_bytes(rows, p.k_tiles) > std::size_t(max_smem)) rows /= 2;
+  const std::size_t bytes = topk_bins_smem_bytes(rows, p.k_tiles);
+  if (bytes > std::size_t(max_smem)) throw_smem_limit(p.k_tiles);
+  const int stride = int(topk_bins_row_stride(p.k_tiles));
+  auto launch = [&](auto kernel) {
+    set_kernel_attribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+    // Two CTAs of 16 rows x 1448 key tiles (Wan 720p) need the largest carveout.
+    set_kernel_attribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                         int(cudaSharedmemCarveoutMaxShared));
+    const dim3 grid(unsigned((p.q_tiles + rows - 1) / rows), unsigned(p.heads_q),
+                    unsigned(p.batch));
+    kernel<<<grid, kMmaThreads, bytes, stream>>>(p, rows, stride);
+  };
+  switch (p.head_dim) {
+    case 32: return launch(vsa_select_topk_bins_kernel<T, 32>);
+    case 64: return launch(vsa_select_topk_bins_kernel<T, 64>);
+    case 128: return launch(vsa_select_topk_bins_kernel<T, 128>);
+    default: return launch(vsa_select_topk_bins_kernel<T, 256>);
   }
-  const std::int64_t total = p.batch * p.rows * p.heads * (p.head_dim * es / width);
-  constexpr int kThreads = 256;
-  auto stream = static_cast<cudaStream_t>(p.stream);
-  const unsigned grid = grid_for(total, kThreads);
-  switch (width) {
-    case 16: vsa_gather_tokens_kernel<uint4><<<grid, kThreads, 0, stream>>>(p, es); break;
-    case 8: vsa_gather_tokens_kernel<uint2><<<grid, kThreads, 0, stream>>>(p, es); break;
-    case 4: vsa_gather_tokens_kernel<std::uint32_t><<<grid, kThreads, 0, stream>>>(p, es); break;
-    default: vsa_gather_tokens_kernel<std::uint16_t><<<grid, kThreads, 0, stream>>>(p, es); break;
-  }
-  return last_error();
 }
 
-const char* launch_vsa_tile_mean_pool(const VsaPoolLaunch& p) {
-  const std::int64_t total =
-      p.batch * p.tiles * p.heads * p.head_dim * (p.backward ? p.tile_volume : 1);
-  if (total == 0) return nullptr;
-  const DeviceScope scope(p.device);
-  if (scope.error()) return scope.error();
-  constexpr int kThreads = 256;
-  auto stream = static_cast<cudaStream_t>(p.stream);
-  const unsigned grid = grid_for(total, kThreads);
-  visit_dtype(p.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    // 16-byte runs of d when the row length, the pointers and every stride allow them.
-    const std::int64_t run = 16 / std::int64_t(sizeof(T));
-    bool vec = p.head_dim % run == 0 && aligned(p.x, 16) && aligned(p.out, 16);
-    for (int d = 0; d < 3 && vec; ++d) vec = p.x_stride[d] % run == 0 && p.out_stride[d] % run == 0;
-    if (vec) {
-      const std::int64_t runs = p.batch * p.tiles * p.heads * (p.head_dim / run);
-      if (p.backward) {
-        const std::int64_t groups = (p.tile_volume + kPoolBwdSlots - 1) / kPoolBwdSlots;
-        vsa_tile_mean_pool_backward_vec_kernel<T>
-            <<<grid_for(runs * groups, kThreads), kThreads, 0, stream>>>(p);
-      } else {
-        vsa_tile_mean_pool_vec_kernel<T><<<grid_for(runs, kThreads), kThreads, 0, stream>>>(p);
-      }
-      return;
-    }
-    if (p.backward) {
-      const std::int64_t rows = p.batch * p.tiles * p.tile_volume * p.heads;
-      const dim3 block(32, 8);
-      if (rows < (std::int64_t(1) << 31) - 65536 * 8)
-        vsa_tile_mean_pool_backward_kernel<T, std::uint32_t>
-            <<<grid_for(rows, 8), block, 0, stream>>>(p);
-      else
-        vsa_tile_mean_pool_backward_kernel<T, std::int64_t>
-            <<<grid_for(rows, 8), block, 0, stream>>>(p);
-    } else
-      vsa_tile_mean_pool_kernel<T><<<grid, kThreads, 0, stream>>>(p);
-  });
-  return last_error();
-}
-
-const char* launch_vsa_select_topk(const VsaTopkLaunch& p, bool* error_is_limit) {
-  *error_is_limit = false;
-  if (p.batch * p.heads_q * p.q_tiles == 0) return nullptr;
-  if (p.batch > 65535 || p.heads_q > 65535) {
-    *error_is_limit = true;
-    return "batch and heads must each be at most 65535";
-  }
-  const DeviceScope scope(p.device);
-  if (scope.error()) return scope.error();
-  int max_smem = 0, sms = 0;
-  if (cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, p.device) !=
-          cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, p.device) != cudaSuccess)
-    return "cudaDeviceGetAttribute failed";
-  const char* error = nullptr;
+// The SIMT selection (any float T, any head dim, any alignment).
+template <class T>
+void launch_simt_selection(const TopkParams& p, int max_smem, int sms, cudaStream_t stream) {
+  using Acc = cuda_common::AccumulatorOf<T>;
   // Query tiles per CTA: 16, or 8 when that is needed to give every SM a few CTAs (each row's
   // scores are computed the same way whatever the grouping); halved further while the rows of
   // scores do not fit in shared memory.
   const bool half = ((p.q_tiles + kRowsMax - 1) / kRowsMax) * p.heads_q * p.batch < 4 * sms;
-  auto set_smem_and_launch = [&](auto kernel, int rows, std::size_t bytes, int threads) {
-    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)) !=
-        cudaSuccess) {
-      error = last_error();
-      if (!error) error = "cudaFuncSetAttribute failed";
-      return;
-    }
+  int rows = half ? kRowsMax / 2 : kRowsMax;
+  while (rows > 1 && topk_smem_bytes<Acc>(rows, p.k_tiles) > std::size_t(max_smem)) rows /= 2;
+  const std::size_t bytes = topk_smem_bytes<Acc>(rows, p.k_tiles);
+  if (bytes > std::size_t(max_smem)) throw_smem_limit(p.k_tiles);
+  // 16-byte loads of k when every run of the head dim they read is aligned.
+  const std::int64_t run = 16 / std::int64_t(sizeof(T));
+  const bool vec = !std::is_same<T, double>::value && p.head_dim % run == 0 &&
+                   p.k_stride[0] % run == 0 && p.k_stride[1] % run == 0 &&
+                   p.k_stride[2] % run == 0 && aligned(p.k, 16);
+  auto launch = [&](auto kernel) {
+    set_kernel_attribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
     const dim3 grid(unsigned((p.q_tiles + rows - 1) / rows), unsigned(p.heads_q),
                     unsigned(p.batch));
-    kernel<<<grid, threads, bytes, static_cast<cudaStream_t>(p.stream)>>>(p, rows);
-    error = last_error();
+    kernel<<<grid, kTopkThreads, bytes, stream>>>(p, rows);
   };
+  if (rows <= kRowsMax / 2) {
+    if (vec) launch(vsa_select_topk_kernel<T, 2, true>);
+    else launch(vsa_select_topk_kernel<T, 2, false>);
+  } else {
+    if (vec) launch(vsa_select_topk_kernel<T, 4, true>);
+    else launch(vsa_select_topk_kernel<T, 4, false>);
+  }
+}
+
+// q2k_index / q2k_count and the topk of either entry point.
+void set_outputs(TopkParams& p, const TensorView& q2k_index, const TensorView& q2k_count,
+                 std::int64_t topk) {
+  p.topk = topk;
+  p.max_k = q2k_index.shape[3];
+  p.index = static_cast<std::int32_t*>(q2k_index.data);
+  for (int d = 0; d < 4; ++d) p.index_stride[d] = q2k_index.stride[d];
+  p.count = static_cast<std::int32_t*>(q2k_count.data);
+  for (int d = 0; d < 3; ++d) p.count_stride[d] = q2k_count.stride[d];
+}
+
+}  // namespace
+}  // namespace vidattn::cuda_vsa
+
+namespace vidattn::detail {
+
+void cuda_select_topk_tiles(const TensorView& q_pooled, const TensorView& k_pooled,
+                            const TopkOptions& options, double scale,
+                            const TensorView& q2k_index, const TensorView& q2k_count) {
+  using namespace cuda_vsa;
+  TopkParams p;
+  set_outputs(p, q2k_index, q2k_count, options.topk);
+  p.q = q_pooled.data, p.k = k_pooled.data;
+  p.batch = q_pooled.shape[0], p.q_tiles = q_pooled.shape[1], p.heads_q = q_pooled.shape[2];
+  p.k_tiles = k_pooled.shape[1], p.heads_kv = k_pooled.shape[2];
+  p.head_dim = q_pooled.shape[3];
+  for (int d = 0; d < 3; ++d) {
+    p.q_stride[d] = q_pooled.stride[d];
+    p.k_stride[d] = k_pooled.stride[d];
+  }
+  p.scale = scale;
+  p.has_sparsity = options.sparsity.has_value();
+  p.sparsity = options.sparsity.value_or(0.0);
+  if (options.cu_tiles_q) {
+    p.cu_tiles_q = static_cast<const std::int32_t*>(options.cu_tiles_q->data);
+    p.cu_tiles_k = static_cast<const std::int32_t*>(options.cu_tiles_k->data);
+    p.cu_q_stride = options.cu_tiles_q->stride[0], p.cu_k_stride = options.cu_tiles_k->stride[0];
+    p.num_videos = options.cu_tiles_q->shape[0] - 1;
+  }
+  if (p.batch * p.heads_q * p.q_tiles == 0) return;
+  if (p.batch > 65535 || p.heads_q > 65535) throw_grid_limit(kSelectFn, p.batch, p.heads_q);
+  const int device = q_pooled.device.index;
+  const cuda_common::DeviceGuard guard(device);
+  int max_smem = 0;
+  cuda_common::check_cuda(
+      cudaDeviceGetAttribute(&max_smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+      "cudaDeviceGetAttribute (shared memory per block)");
+  const int sms = cuda_common::current_sm_count();
+  auto stream = static_cast<cudaStream_t>(options.stream);
   // Tensor-core scores: bf16 / fp16, a head dim of 32, 64, 128 or 256, and every 16-byte run of
   // a q or k row that the kernel loads aligned (pointers and strides in multiples of 8 elements).
-  const bool mma_dtype = p.dtype == 1 || p.dtype == 2;
+  const DType dtype = q_pooled.dtype;
+  const bool mma_dtype = dtype == DType::kFloat16 || dtype == DType::kBFloat16;
   const bool mma_dim =
       p.head_dim == 32 || p.head_dim == 64 || p.head_dim == 128 || p.head_dim == 256;
   bool mma_aligned = aligned(p.q, 16) && aligned(p.k, 16);
   for (int d = 0; d < 3 && mma_aligned; ++d)
     mma_aligned = p.q_stride[d] % 8 == 0 && p.k_stride[d] % 8 == 0;
   if (mma_dtype && mma_dim && mma_aligned) {
-    if (!topk_impl_v2()) {
-      // v3: 16 query tiles per CTA unless the grid would not cover the SMs (v2 halved below
-      // 4 CTAs per SM, which at Wan 480p doubled the key traffic from L2). When its rows of
-      // scores do not fit even for one query tile (its row stride is padded), v2 runs.
-      const bool few = ((p.q_tiles + kRowsMax - 1) / kRowsMax) * p.heads_q * p.batch < sms;
-      int rows = few ? kRowsMax / 2 : kRowsMax;
-      while (rows > 1 && topk_bins_smem_bytes(rows, p.k_tiles) > std::size_t(max_smem)) rows /= 2;
-      const std::size_t bytes = topk_bins_smem_bytes(rows, p.k_tiles);
-      if (bytes <= std::size_t(max_smem)) {
-        const int stride = int(topk_bins_row_stride(p.k_tiles));
-        auto launch = [&](auto kernel) {
-          // Two CTAs of 16 rows x 1448 key tiles (Wan 720p) need the largest carveout.
-          if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   int(bytes)) != cudaSuccess ||
-              cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                   int(cudaSharedmemCarveoutMaxShared)) != cudaSuccess) {
-            error = last_error();
-            if (!error) error = "cudaFuncSetAttribute failed";
-            return;
-          }
-          const dim3 grid(unsigned((p.q_tiles + rows - 1) / rows), unsigned(p.heads_q),
-                          unsigned(p.batch));
-          kernel<<<grid, kMmaThreads, bytes, static_cast<cudaStream_t>(p.stream)>>>(p, rows,
-                                                                                    stride);
-          error = last_error();
-        };
-        auto by_dim = [&](auto tag) {
-          using T = decltype(tag);
-          switch (p.head_dim) {
-            case 32: return launch(vsa_select_topk_bins_kernel<T, 32>);
-            case 64: return launch(vsa_select_topk_bins_kernel<T, 64>);
-            case 128: return launch(vsa_select_topk_bins_kernel<T, 128>);
-            default: return launch(vsa_select_topk_bins_kernel<T, 256>);
-          }
-        };
-        if (p.dtype == 1) by_dim(__half{});
-        else by_dim(__nv_bfloat16{});
-        return error;
-      }
-    }
-    int rows = half ? kRowsMax / 2 : kRowsMax;
-    while (rows > 1 && topk_mma_smem_bytes(rows, p.k_tiles) > std::size_t(max_smem)) rows /= 2;
-    const std::size_t bytes = topk_mma_smem_bytes(rows, p.k_tiles);
-    if (bytes > std::size_t(max_smem)) {
-      *error_is_limit = true;
-      return "too many key tiles per row for the CUDA selection's shared memory";
-    }
-    auto by_dim = [&](auto tag) {
-      using T = decltype(tag);
-      auto launch = [&](auto kernel) { set_smem_and_launch(kernel, rows, bytes, kMmaThreads); };
-      switch (p.head_dim) {
-        case 32: return launch(vsa_select_topk_mma_kernel<T, 32>);
-        case 64: return launch(vsa_select_topk_mma_kernel<T, 64>);
-        case 128: return launch(vsa_select_topk_mma_kernel<T, 128>);
-        default: return launch(vsa_select_topk_mma_kernel<T, 256>);
-      }
-    };
-    if (p.dtype == 1) by_dim(__half{});
-    else by_dim(__nv_bfloat16{});
-    return error;
+    if (dtype == DType::kFloat16) launch_bins_selection<__half>(p, max_smem, sms, stream);
+    else launch_bins_selection<__nv_bfloat16>(p, max_smem, sms, stream);
+  } else {
+    cuda_common::dispatch_float_dtype(dtype, [&](auto tag) {
+      launch_simt_selection<decltype(tag)>(p, max_smem, sms, stream);
+    });
   }
-  visit_dtype(p.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    using Acc = AccOf<T>;
-    int rows = half ? kRowsMax / 2 : kRowsMax;
-    while (rows > 1 && topk_smem_bytes<Acc>(rows, p.k_tiles) > std::size_t(max_smem)) rows /= 2;
-    const std::size_t bytes = topk_smem_bytes<Acc>(rows, p.k_tiles);
-    if (bytes > std::size_t(max_smem)) {
-      *error_is_limit = true;
-      error = "too many key tiles per row for the CUDA selection's shared memory";
-      return;
-    }
-    // 16-byte loads of k when every run of the head dim they read is aligned.
-    const std::int64_t run = 16 / std::int64_t(sizeof(T));
-    const bool vec = !std::is_same<T, double>::value && p.head_dim % run == 0 &&
-                     p.k_stride[0] % run == 0 && p.k_stride[1] % run == 0 &&
-                     p.k_stride[2] % run == 0 && aligned(p.k, 16);
-    auto launch = [&](auto kernel) { set_smem_and_launch(kernel, rows, bytes, kTopkThreads); };
-    if (rows <= kRowsMax / 2) {
-      if (vec) launch(vsa_select_topk_kernel<T, 2, true>);
-      else launch(vsa_select_topk_kernel<T, 2, false>);
-    } else {
-      if (vec) launch(vsa_select_topk_kernel<T, 4, true>);
-      else launch(vsa_select_topk_kernel<T, 4, false>);
-    }
-    if (error) return;
-  });
-  return error;
+  cuda_common::check_last_launch("vidattn::select_topk_tiles kernel launch");
 }
 
-const char* launch_vsa_topk_from_scores(const VsaTopkLaunch& p) {
-  if (p.batch * p.heads_q * p.q_tiles == 0) return nullptr;
-  if (p.batch > 65535 || p.heads_q > 65535) return "batch and heads must each be at most 65535";
-  const DeviceScope scope(p.device);
-  if (scope.error()) return scope.error();
+void cuda_topk_tiles_from_scores(const TensorView& scores, std::int64_t topk,
+                                 const TensorView& q2k_index, const TensorView& q2k_count,
+                                 void* stream) {
+  using namespace cuda_vsa;
+  TopkParams p;
+  set_outputs(p, q2k_index, q2k_count, topk);
+  p.scores = scores.data;
+  p.batch = scores.shape[0], p.heads_q = scores.shape[1], p.heads_kv = scores.shape[1];
+  p.q_tiles = scores.shape[2], p.k_tiles = scores.shape[3];
+  for (int d = 0; d < 3; ++d) p.scores_stride[d] = scores.stride[d];
+  // The kernel counts a row's key tiles in an int.
+  if (p.k_tiles > INT32_MAX)
+    throw_value_error(kFromScoresFn, ": at most 2^31 - 1 key tiles, got ", p.k_tiles);
+  if (p.batch * p.heads_q * p.q_tiles == 0) return;
+  if (p.batch > 65535 || p.heads_q > 65535) throw_grid_limit(kFromScoresFn, p.batch, p.heads_q);
+  const cuda_common::DeviceGuard guard(scores.device.index);
   constexpr int kRowsPerBlock = kTopkThreads / 32;
   const dim3 grid(unsigned((p.q_tiles + kRowsPerBlock - 1) / kRowsPerBlock), unsigned(p.heads_q),
                   unsigned(p.batch));
-  visit_dtype(p.dtype, [&](auto tag) {
+  cuda_common::dispatch_float_dtype(scores.dtype, [&](auto tag) {
     using T = decltype(tag);
     vsa_topk_from_scores_kernel<T>
-        <<<grid, kTopkThreads, 0, static_cast<cudaStream_t>(p.stream)>>>(p);
+        <<<grid, kTopkThreads, 0, static_cast<cudaStream_t>(stream)>>>(p);
   });
-  return last_error();
+  cuda_common::check_last_launch("vidattn::topk_tiles_from_scores kernel launch");
 }
 
 }  // namespace vidattn::detail

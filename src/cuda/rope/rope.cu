@@ -1,4 +1,5 @@
-// CUDA RoPE. Memory bound; the math is in float (double for float64 x), like the CPU kernel.
+// RoPE on CUDA (vidattn/rope.h). Memory bound; the math is in float (double for float64 x),
+// like the CPU kernel (src/cpu/rope_cpu.cpp).
 //  * 16-bit x with 16-byte aligned rows and heads (the usual case): one thread per 16-byte
 //    unit (4 interleaved pairs, or 8 first-half elements with their 8 partners of the second
 //    half), 16-byte loads and stores, 32-bit index math; for interleaved pairs the thread
@@ -9,18 +10,33 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
 
-#include "common/dtype_io.cuh"
-#include "rope_launch.h"
+#include "../../core/rope_backends.h"
+#include "../common/check.h"
+#include "../common/device_guard.h"
+#include "../common/dtype_dispatch.h"
+#include "../common/dtype_io.cuh"
 
-namespace vidattn::detail {
+namespace vidattn::cuda_rope_kernels {
 namespace {
 
 using cuda_common::Io;
 
+struct RopeParams {
+  const void* x = nullptr;
+  void* out = nullptr;
+  const void* cos = nullptr;
+  const void* sin = nullptr;
+  std::int64_t batch = 0, seqlen = 0, heads = 0, head_dim = 0;
+  std::int64_t x_stride[3] = {};    // batch, position, head (the head dim is unit-stride)
+  std::int64_t out_stride[3] = {};
+  std::int64_t cos_stride[2] = {};  // position, column
+  std::int64_t sin_stride[2] = {};
+  bool half_table = false, interleaved = true, transpose = false;
+};
+
 template <class X, class C, class Acc>
-__global__ void rope_kernel(RopeLaunchParams p) {
+__global__ void rope_kernel(RopeParams p) {
   const auto* x = static_cast<const X*>(p.x);
   auto* out = static_cast<X*>(p.out);
   const auto* cos = static_cast<const C*>(p.cos);
@@ -70,7 +86,7 @@ struct alignas(16) Vec8 {
 // The 16-byte path (see the file comment) for NeoX halves; x and out are 2-byte types, float
 // math. Unit u of a head: columns [8u, 8u + 8) and their partners [8u + D/2, 8u + D/2 + 8).
 template <class X, class C>
-__global__ void rope_vec_halves_kernel(RopeLaunchParams p, std::uint32_t units_per_head,
+__global__ void rope_vec_halves_kernel(RopeParams p, std::uint32_t units_per_head,
                                        std::uint32_t total) {
   const std::uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -113,12 +129,12 @@ __global__ void rope_vec_halves_kernel(RopeLaunchParams p, std::uint32_t units_p
 // The 16-byte path for interleaved pairs: a thread owns unit u of one (batch, position) and
 // walks all its heads (unit u of a head: columns [8u, 8u + 8), pairs 4u .. 4u + 3), so the
 // table values (which do not depend on the head) and the index math are paid once per thread
-// instead of once per 16 bytes moved: 0.645 -> 0.434 ms at [1, 75600, 40, 128] bf16 on an
-// H200 (tools/bench_rope.py, same run). NeoX halves keep one head per thread (the kernel
-// above): walking the heads measured slower for them (0.452 -> 0.504 ms; two 16-byte loads
-// per head and 32 table values per thread).
+// instead of once per 16 bytes moved (at [1, 75600, 40, 128] bf16 on an H200: 0.434 ms, against
+// 0.645 ms with one head per thread). NeoX halves keep one head per thread (the kernel above):
+// walking the heads measured slower for them (0.504 ms against 0.452 ms; two 16-byte loads per
+// head and 32 table values per thread).
 template <class X, class C>
-__global__ void rope_vec_interleaved_kernel(RopeLaunchParams p, std::uint32_t units_per_head,
+__global__ void rope_vec_interleaved_kernel(RopeParams p, std::uint32_t units_per_head,
                                             std::uint32_t total) {
   const std::uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= total) return;
@@ -163,7 +179,7 @@ __global__ void rope_vec_interleaved_kernel(RopeLaunchParams p, std::uint32_t un
 // Whether the 16-byte path applies: 2-byte x, rows and heads of x and out 16-byte aligned,
 // whole units per head, and a unit count that 32-bit indices cover.
 template <class X>
-bool vector_path(const RopeLaunchParams& p, std::uint32_t* units_per_head,
+bool vector_path(const RopeParams& p, std::uint32_t* units_per_head,
                  std::uint32_t* total) {
   if constexpr (sizeof(X) != 2) return false;
   if (p.head_dim % 16 != 0) return false;
@@ -181,8 +197,8 @@ bool vector_path(const RopeLaunchParams& p, std::uint32_t* units_per_head,
 }
 
 template <class X, class C>
-void launch_typed(const RopeLaunchParams& p, cudaStream_t stream) {
-  using Acc = typename std::conditional<std::is_same<X, double>::value, double, float>::type;
+void launch_typed(const RopeParams& p, cudaStream_t stream) {
+  using Acc = cuda_common::AccumulatorOf<X>;
   constexpr int kThreads = 256;
   std::uint32_t units_per_head = 0, units = 0;
   if (vector_path<X>(p, &units_per_head, &units)) {
@@ -204,34 +220,29 @@ void launch_typed(const RopeLaunchParams& p, cudaStream_t stream) {
   rope_kernel<X, C, Acc><<<grid, kThreads, 0, stream>>>(p);
 }
 
-template <class X>
-void launch_table(const RopeLaunchParams& p, cudaStream_t stream) {
-  switch (p.table_dtype) {
-    case 1: return launch_typed<X, __half>(p, stream);
-    case 2: return launch_typed<X, __nv_bfloat16>(p, stream);
-    case 3: return launch_typed<X, double>(p, stream);
-    default: return launch_typed<X, float>(p, stream);
-  }
-}
-
 }  // namespace
+}  // namespace vidattn::cuda_rope_kernels
 
-const char* launch_rope_cuda(const RopeLaunchParams& p) {
-  if (p.batch * p.seqlen * p.heads * (p.head_dim / 2) == 0) return nullptr;
-  int previous = 0;
-  if (cudaGetDevice(&previous) != cudaSuccess) return "cudaGetDevice failed";
-  if (previous != p.device && cudaSetDevice(p.device) != cudaSuccess)
-    return "cudaSetDevice failed";
-  auto stream = static_cast<cudaStream_t>(p.stream);
-  switch (p.x_dtype) {
-    case 1: launch_table<__half>(p, stream); break;
-    case 2: launch_table<__nv_bfloat16>(p, stream); break;
-    case 3: launch_table<double>(p, stream); break;
-    default: launch_table<float>(p, stream); break;
-  }
-  const cudaError_t status = cudaGetLastError();
-  if (previous != p.device) cudaSetDevice(previous);
-  return status == cudaSuccess ? nullptr : cudaGetErrorString(status);
+namespace vidattn::detail {
+
+void cuda_rope(const RopeProblem& problem, const TensorView& x, const TensorView& cos,
+               const TensorView& sin, const TensorView& out, const RopeOptions& options) {
+  cuda_rope_kernels::RopeParams p;
+  p.x = x.data, p.out = out.data, p.cos = cos.data, p.sin = sin.data;
+  p.batch = problem.batch, p.seqlen = problem.seqlen, p.heads = problem.heads;
+  p.head_dim = problem.head_dim;
+  for (int d = 0; d < 3; ++d) p.x_stride[d] = x.stride[d], p.out_stride[d] = out.stride[d];
+  for (int d = 0; d < 2; ++d) p.cos_stride[d] = cos.stride[d], p.sin_stride[d] = sin.stride[d];
+  p.half_table = problem.half_table, p.interleaved = options.interleaved;
+  p.transpose = options.transpose;
+  const cuda_common::DeviceGuard guard(problem.device.index);
+  auto stream = static_cast<cudaStream_t>(options.stream);
+  cuda_common::dispatch_float_dtype(problem.dtype, [&](auto x_tag) {
+    cuda_common::dispatch_float_dtype(problem.table_dtype, [&](auto table_tag) {
+      cuda_rope_kernels::launch_typed<decltype(x_tag), decltype(table_tag)>(p, stream);
+    });
+  });
+  cuda_common::check_last_launch("vidattn::apply_rope kernel launch");
 }
 
 }  // namespace vidattn::detail
