@@ -16,7 +16,9 @@ import torch
 
 import vidattn
 from vidattn.bench import clocks, environment, reference, report, shapes
-from vidattn.bench.cases import DenseCase, Impl, SdpaDense, VidattnDense, cases_for
+from vidattn.bench.base import Impl
+from vidattn.bench.cases import cases_for
+from vidattn.bench.dense_case import DenseCase, SdpaDense, VidattnDense
 from vidattn.bench.plot import write_plot
 from vidattn.bench.runner import Plan, direction_flops, run_plan
 from vidattn.bench.timing import CpuTimer

@@ -19,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import peers
-from .cases import Case, Impl, QkvLayoutInputs, missing_vidattn_op
+from .base import Case, Impl, QkvLayoutInputs, missing_vidattn_op
 from .peers import selection_to_dense_mask  # noqa: F401  (part of this case's API)
 from .reference import RefScope
 from .shapes import BLOCK_SPARSE_TILE, Shape

@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from . import reference
-from .cases import DTYPES, Case, Impl, dtype_of, to_layout
+from .base import DTYPES, Case, Impl, dtype_of, to_layout
 from .shapes import Shape
 
 BWD_FLOP_FACTOR = 2.5  # targets.md: backward FLOPs = 2.5 x forward

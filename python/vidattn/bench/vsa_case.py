@@ -20,8 +20,9 @@ from typing import Optional
 import torch
 
 from . import peers
-from .cases import Case, Impl, QkvLayoutInputs, SdpaDense, missing_vidattn_op
+from .base import Case, Impl, QkvLayoutInputs, missing_vidattn_op
 from .blocksparse_case import block_sparse_reference
+from .dense_case import SdpaDense
 from .reference import RefScope
 from .shapes import Shape
 
