@@ -1,11 +1,14 @@
-"""The Hopper forward issue's targets, read from a GPU runner's suite JSON
-(`python -m vidattn.bench --shapes gpu-suite --directions fwd`): one line per row, ours against
-the peer in the same run (median), and whether the target holds.
+"""The Hopper forward targets, read from a suite JSON (`python -m vidattn.bench --shapes
+gpu-suite --directions fwd`): one line per row, ours against the peer in the same run (median),
+and whether the target holds.
 
-  python3 tools/suite_targets.py bench/results/NVIDIA-H200-gpu-suite-fwd-<date>-<commit>.json
+  python -m vidattn.bench targets bench/results/NVIDIA-H200/gpu-suite-fwd.json
 """
+from __future__ import annotations
+
 import json
-import sys
+
+from .common import parser
 
 # The issue's bounds: dense self attention ours / cuDNN (D = 128 at S >= 16K, non-causal);
 # block-sparse against our dense rate on the same shape and against the peers; the whole VSA
@@ -74,12 +77,12 @@ def target_lines(rows):
     return lines, ok
 
 
-def main(path):
-    lines, ok = target_lines(json.load(open(path))["rows"])
+def main(argv) -> int:
+    p = parser("targets", __doc__)
+    p.add_argument("json", help="a suite JSON of python -m vidattn.bench")
+    args = p.parse_args(argv)
+    with open(args.json) as f:
+        lines, ok = target_lines(json.load(f)["rows"])
     print("\n".join(lines))
     print("all targets met" if ok else "some targets missed")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))

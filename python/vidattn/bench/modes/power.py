@@ -1,22 +1,24 @@
 """SM clock and board power while a kernel runs back to back, as a benchmark's timed loop does.
 
-    python3 tools/power_clocks.py [--seconds 2] [--cases dense,vsa,sparse,gemm,idle]
-                                  [--windows 0.25,0.5] [--bench-timer] [--out F.txt]
+    python -m vidattn.bench power [--seconds 2] [--cases dense,vsa,sparse,gemm,idle]
+                                   [--windows 0.25,0.5] [--bench-timer] [--out F.txt]
 
 For each workload (--cases: `dense`, vidattn's dense forward and cuDNN's at Wan 480p and 32K
 tokens, D128; `vsa`, the whole VSA forward at Wan 480p; `sparse`, the 64-token block-sparse
 forward at Wan 480p and 720p, 90%, on the bench's uniform random lists, with the K / V bytes it
 moves from L2 per second, and with --windows the 720p and HunyuanVideo rows again on lists drawn
 from a part of the keys (what L2 misses cost: sparse_work); `gemm`, torch's bf16 matmul (cuBLAS)
-at 8192^3 and 16384^3, the ceiling targets.md names, here at the power cap; `idle`, the board
+at 8192^3 and 16384^3, the ceiling of tensor-core work at the power cap; `idle`, the board
 with the host asleep, the power that the others' energy per FLOP is counted above), after 1 s
 idle: run it back to back for --seconds, sampling NVML every 50 ms (the bench's sampler), and
 print the median SM clock, power and clock-limit reasons over the second half of the window (the
 first half is the ramp to the power limit), with the median call time. --bench-timer then times
 each workload as the bench times its rows (do_bench after a 500 ms warm-up), to set the ceiling
 beside them. A long run of a kernel on an H200 sits at the board's power limit, so what it costs
-in energy per FLOP sets its clock and so its speed. Not a test; a diagnostic.
+in energy per FLOP sets its clock and so its speed. A diagnostic, not a test.
 """
+from __future__ import annotations
+
 import argparse
 import statistics
 import sys
@@ -27,12 +29,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import vidattn
-from vidattn.bench.blocksparse_case import random_selection
-from vidattn.bench.clocks import ClockSampler
-from vidattn.bench.timing import gpu_median_ms
 from vidattn.vsa import topk_from_sparsity
 
-from report_text import emit  # tools/report_text.py
+from ..blocksparse_case import random_selection
+from ..clocks import ClockSampler
+from ..timing import gpu_median_ms
+from .common import emit, parser
 
 
 def sampled(fn, seconds, sampler):
@@ -118,7 +120,7 @@ def sparse_work(randn, g, windows=()):
     """The 64-token block-sparse forward at Wan 480p and 720p, 90%, on uniform random
     ascending lists (the bench's selection), as (name, fn, rate) workloads. The rate adds the
     K / V bytes moved from L2 per second: 128-key blocks of two tiles, an odd list's last
-    tile loaded twice (tools/sm90_split_probe/probe.py counts them the same way).
+    tile loaded twice.
     ``windows``: fractions of the key tiles; for each, the 720p and HunyuanVideo (115200 x
     24 heads) rows again with the same top-k drawn from that fraction of the keys, first the
     same window for every query tile, then one centred on each: the same FLOPs and L2 -> SM
@@ -169,8 +171,8 @@ def fractions(text):
     return values
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv) -> int:
+    p = parser("power", __doc__)
     p.add_argument("--seconds", type=float, default=2.0)
     p.add_argument("--cases", default="dense,vsa",
                    help="comma-separated: dense, vsa, sparse, gemm, idle")
@@ -180,7 +182,7 @@ def main() -> None:
     p.add_argument("--bench-timer", action="store_true",
                    help="then time each workload as the bench's rows are (gpu_median_ms)")
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     cases = set(args.cases.split(","))
     unknown = cases - {"dense", "vsa", "sparse", "gemm", "idle"}
     if unknown:
@@ -217,7 +219,7 @@ def main() -> None:
     if "sparse" in cases:
         work += sparse_work(randn, g, args.windows)
 
-    lines = measure(work, args.seconds, "power_clocks")
+    lines = measure(work, args.seconds, "vidattn.bench power")
     if args.bench_timer:
         lines.append("== the bench's timer (gpu_median_ms: do_bench after its warm-up, L2 flushed)")
         width = max(len(name) for name, _, _ in work)
@@ -228,7 +230,4 @@ def main() -> None:
                 ms = gpu_median_ms(fn)
                 lines.append(f"  {name:{width}s} {ms:8.3f} ms  {rate(ms, None)}")
     emit(lines, args.out)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,7 +1,7 @@
 """Where the whole VSA forward's time goes besides its kernels: host launch cost, gaps
 between kernels, the cold start after an L2 flush.
 
-    python3 tools/vsa_overhead.py [--grid 21x30x52] [--heads 12] [--sparsity 0.9] [--out F]
+    python -m vidattn.bench vsa-overhead [--grid 21x30x52] [--heads 12] [--sparsity 0.9] [--out F]
 
 One shape (default Wan2.1-1.3B 480p, bf16, D128, no gate, as the bench's VSA row), rows:
 - eager, L2 flushed: what `python -m vidattn.bench` reports (do_bench, median);
@@ -9,15 +9,16 @@ One shape (default Wan2.1-1.3B 480p, bf16, D128, no gate, as the bench's VSA row
   so eager minus graph is what host launches cost the GPU;
 - eager / graph, warm: CUDA events around back-to-back calls (L2 keeps the last call's data);
 - graph, isolated: CUDA events around single replays, each after 5 ms idle (back to back,
-  a long run sits at the board's power limit: tools/power_clocks.py);
+  a long run sits at the board's power limit: the power mode);
 - host: wall time of the Python call alone (no synchronisation; the GPU queue absorbs it);
 - kernels: the sum of the op's kernel times (torch.profiler), the floor for all of the above;
 - cuDNN's dense forward on the same tensors (the bench's peer), for the ratio;
 - timelines from a profiler trace: per call the span, the busy time and the gaps between
   kernels, eager and graph, L2 warm and after a flush.
-Not a test; a diagnostic for perf-notes.
+A diagnostic, not a test.
 """
-import argparse
+from __future__ import annotations
+
 import json
 import os
 import statistics
@@ -28,9 +29,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import vidattn
-from vidattn.bench.timing import CudaTimer
 
-from report_text import emit  # tools/report_text.py
+from ..timing import CudaTimer
+from .common import emit, parser
 
 
 def events_median(fn, reps=30):
@@ -111,14 +112,14 @@ def timeline(fn, iters=6):
     return lines, names
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv) -> int:
+    p = parser("vsa-overhead", __doc__)
     p.add_argument("--grid", default="21x30x52")
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--sparsity", type=float, default=0.9)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--out", default=None)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     grid = tuple(int(x) for x in args.grid.split("x"))
     tiling = vidattn.VideoTiling(grid=grid, tile=(4, 4, 4), device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -175,7 +176,4 @@ def main() -> None:
             lines += ["  " + r for r in rows]
             lines += ["  kernel: " + n for n in names]
     emit(lines, args.out)
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,25 +1,24 @@
-"""Speed of vidattn.apply_rope on one GPU at the sequence-parallel layer's shapes.
+"""Speed of vidattn.apply_rope on one GPU at the sequence-parallel layer's shapes: Wan2.1-14B
+720p (75,600 tokens, H40, D128, bf16, [S, D/2] float32 tables, interleaved and NeoX pairs),
+the whole tensor and the pipeline's packing view (one rank's shard, one head chunk of each
+destination rank: [2, 37,800, 10, 128] strided). Median of 50 CUDA-event timings; GB/s counts
+x read once and out written once (the tables are extra).
 
-    python3 tools/bench_rope.py [--out F.json]
+  python -m vidattn.bench rope [--out F.json]"""
+from __future__ import annotations
 
-Wan2.1-14B 720p (75,600 tokens, H40, D128, bf16, [S, D/2] float32 tables, interleaved and
-NeoX pairs): the whole tensor, and the pipeline's packing view (one rank's shard, one head
-chunk of each destination rank: [2, 37,800, 10, 128] strided). Median of 50 CUDA-event timings;
-GB/s counts x read once and out written once (the tables are extra).
-"""
-import argparse
-import json
-
-import torch
-
-import vidattn
-from vidattn.bench.timing import CudaTimer
+from .common import parser, result_doc, write_json
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", default=None)
-    args = p.parse_args()
+def main(argv) -> int:
+    p = parser("rope", __doc__)
+    p.add_argument("--out", default=None, help="JSON file for the rows")
+    args = p.parse_args(argv)
+    import torch
+    import vidattn
+
+    from ..timing import CudaTimer
+
     g = torch.Generator(device="cuda").manual_seed(0)
     s, h, d = 75600, 40, 128
     theta = torch.rand(s, d // 2, device="cuda", generator=g)
@@ -38,11 +37,8 @@ def main() -> None:
                 lambda: vidattn.apply_rope(view, c, sn, interleaved=interleaved)).median_ms
             gbs = 2 * view.numel() * view.element_size() / ms / 1e6
             rows.append({"case": name, "interleaved": interleaved, "ms": ms, "GB/s": gbs})
-            print(f"{name:34s} interleaved={interleaved!s:5s} {ms:7.3f} ms {gbs:7.0f} GB/s")
+            print(f"{name:34s} interleaved={interleaved!s:5s} {ms:7.3f} ms {gbs:7.0f} GB/s",
+                  flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
-
-
-if __name__ == "__main__":
-    main()
+        write_json(args.out, result_doc("rope", argv, rows=rows))
+    return 0

@@ -1,9 +1,11 @@
 """Sequence-parallel efficiency of vidattn.DistributedAttention: 2 GPUs against 1.
 
-    torchrun --nproc_per_node 2 bench/distributed_bench.py            # Wan2.1-14B 720p, bf16
-    torchrun --nproc_per_node 2 bench/distributed_bench.py --check    # NCCL parity + compile first
-    torchrun --nproc_per_node 2 bench/distributed_bench.py --device cpu --grid 2x8x8 --heads 4 \
-        --iters 2 --warmup 1                                          # smoke test on CPU / gloo
+    torchrun --nproc_per_node 2 -m vidattn.bench distributed          # Wan2.1-14B 720p, bf16
+    torchrun --nproc_per_node 2 -m vidattn.bench distributed --check  # NCCL parity + compile first
+    torchrun --nproc_per_node 2 -m vidattn.bench distributed --device cpu --grid 2x8x8 \
+        --heads 4 --iters 2 --warmup 1                                # smoke test on CPU / gloo
+
+(torchrun is python -m torch.distributed.run.)
 
 Default shape: Wan2.1-14B at 720p, B=1, H=40, D=128, latent grid 21x45x80 -> 75,600 tokens
 (37,800 per GPU), bf16, RoPE on q and k with full-sequence tables. Cases: dense
@@ -31,17 +33,16 @@ noise since (docs/perf-notes.md), so the default is torch's: plain streams.
 --check first verifies, at the benchmark shape, that the 2-GPU output shard and the gradients
 of q, k, v (and gate) equal the 1-GPU ones (max abs difference reported, must be within
 --check-atol), and that torch.compile(fullgraph=True) of the layer has zero graph breaks and
-matches eager. Results go to bench/results/distributed-<device>-<date>.json (and stdout).
+matches eager. Results go to --out (default bench/results/<device>x2/distributed.json) and
+stdout.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
 import os
 import statistics
-import sys
 from pathlib import Path
 
 import torch
@@ -49,9 +50,12 @@ import torch.distributed as dist
 
 import vidattn
 
+from .. import environment
+from .common import parser
+
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = parser("distributed", __doc__)
     p.add_argument("--grid", default="21x45x80", help="latent grid TxHxW (default Wan 720p)")
     p.add_argument("--heads", type=int, default=40)
     p.add_argument("--head-dim", type=int, default=128)
@@ -91,7 +95,8 @@ def parse_args(argv):
                    help="allowed max abs difference in --check (default: bit-identical)")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                    help="cuda (NCCL) or cpu (gloo, for a smoke test)")
-    p.add_argument("--out", default=None, help="JSON path (default bench/results/...)")
+    p.add_argument("--out", default=None,
+                   help="JSON path (default bench/results/<device>x<world>/distributed.json)")
     return p.parse_args(argv)
 
 
@@ -347,8 +352,8 @@ class Bench:
                 "max_abs_diff_compiled_vs_eager": worst_compiled, "ok": ok}
 
 
-def main(argv=None):
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def main(argv) -> int:
+    args = parse_args(argv)
     backend = "nccl" if args.device == "cuda" else "gloo"
     options = None
     if backend == "nccl":
@@ -391,16 +396,11 @@ def main(argv=None):
                           + (f"; rounds {', '.join(f'{e:.3f}' for e in row['rounds']['efficiency'])}"
                              if args.rounds > 1 else ""), flush=True)
         if bench.rank == 0:
-            try:
-                from vidattn.bench.environment import metadata
-                report["environment"] = metadata(bench.device, torch.get_num_threads(),
-                                                 sys.argv)
-            except ImportError:
-                report["environment"] = {"argv": sys.argv, "torch_version": torch.__version__}
-            name = report["environment"].get("device", args.device)
+            report["environment"] = environment.metadata(
+                bench.device, torch.get_num_threads(), ["distributed", *argv])
+            name = f"{report['environment']['device']}x{bench.world}"
             out = Path(args.out) if args.out else (
-                Path(__file__).resolve().parent / "results" /
-                f"distributed-2x{name}-{datetime.date.today().isoformat()}.json")
+                environment.repo_root() / "bench" / "results" / name / "distributed.json")
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(report, indent=2) + "\n")
             print(f"wrote {out}")
@@ -408,7 +408,4 @@ def main(argv=None):
                 raise SystemExit("parity / compile check failed: see 'checks' in the JSON")
     finally:
         dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,9 +1,9 @@
 """All-to-all bandwidth of this machine's NCCL, alone and beside a compute kernel.
 
-    torchrun --nproc_per_node 2 tools/bench_alltoall.py [--sizes-mb 24,97,194] [--out F.json]
+    torchrun --nproc_per_node 2 -m vidattn.bench alltoall [--sizes-mb 24,97,194] [--out F.json]
 
-Why: DistributedAttention's VSA forward is short enough that its all-to-alls show (issue #6,
-docs/perf-notes.md). This separates what the transport can do (the collective alone) from
+Why: DistributedAttention's VSA forward is short enough that its all-to-alls show
+(docs/perf-notes.md). This separates what the transport can do (the collective alone) from
 what it does next to attention (a bf16 matmul running on the compute stream meanwhile).
 Sizes are the bytes each rank sends to the other ranks per call (the [world, ...] send
 buffer minus its own slice), as DistributedAttention sends per tensor and head chunk.
@@ -15,19 +15,15 @@ Prints and writes: per size, median time (CUDA events) and GB/s sent per rank.
 """
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-# The communicator options parser of the layer's benchmark (one spelling for both tools).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from distributed_bench import nccl_group  # noqa: E402
+from .common import parser, result_doc, write_json
+# The communicator options of the layer's benchmark: one spelling for both modes.
+from .distributed import nccl_group
 
 
 def timed(fn, iters: int, warmup: int = 3) -> float:
@@ -47,8 +43,8 @@ def timed(fn, iters: int, warmup: int = 3) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
+def main(argv) -> int:
+    p = parser("alltoall", __doc__)
     p.add_argument("--sizes-mb", default="24,97,194")
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--out", default=None)
@@ -56,7 +52,7 @@ def main() -> None:
     p.add_argument("--groups", default="default",
                    help="';'-separated process-group options to time, each 'default' or "
                         "'key=value,...' over max_ctas, min_ctas, cta_policy")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     dist.init_process_group("nccl")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -104,11 +100,8 @@ def main() -> None:
     if rank == 0 and args.out:
         nccl = ".".join(str(x) for x in torch.cuda.nccl.version())
         env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
-        with open(args.out, "w") as f:
-            json.dump({"label": args.label, "device": torch.cuda.get_device_name(),
-                       "world": world, "nccl": nccl, "env": env, "rows": rows}, f, indent=1)
+        write_json(args.out, result_doc("alltoall", argv, dev, label=args.label,
+                                        gpu=torch.cuda.get_device_name(), world=world,
+                                        nccl=nccl, env=env, rows=rows))
     dist.destroy_process_group()
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,17 +1,26 @@
-"""Speed sanity of the sm_80 block-sparse attention against our dense forward on the same
-tensors (Wan2.1-1.3B 480p: B1 H12, 624 tiles of 64 tokens = 39,936 slots, D128, bf16,
-90% sparsity -> topk 63). Prints TFLOP/s (FLOPs of the selected blocks: 4*B*H*Sq*(topk*64)*D
-forward, 2.5x that backward); writes JSON to argv[1] when given. Not a test."""
+"""The block-sparse op against our dense forward on the same tensors, at Wan2.1-1.3B 480p (B1
+H12, 624 tiles of 64 tokens = 39,936 slots, D128, bf16, 90% sparsity -> topk 63): forward,
+backward, the k2q transpose, the forward inside a CUDA graph (no host-side index check), and
+the forward with SMs left to concurrent kernels (sm_margin). TFLOP/s count the selected blocks:
+4*B*H*Sq*(topk*64)*D forward, 2.5x that backward.
+
+  python -m vidattn.bench block-sparse [--out F.json]"""
+from __future__ import annotations
+
 import json
-import sys
 
-import torch
-
-import vidattn
-from vidattn.bench.timing import gpu_median_ms
+from .common import parser, result_doc, write_json
 
 
-def main() -> None:
+def main(argv) -> int:
+    p = parser("block-sparse", __doc__)
+    p.add_argument("--out", default=None, help="JSON file for the results")
+    args = p.parse_args(argv)
+    import torch
+    import vidattn
+
+    from ..timing import gpu_median_ms
+
     B, H, D, V, tiles, topk = 1, 12, 128, 64, 624, 63
     S = tiles * V
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -66,10 +75,6 @@ def main() -> None:
                                                validate_index=False, sm_margin=margin))
         res[f"sparse_fwd_tflops_sm_margin_{margin}"] = fwd_flops / ms * 1e-9
     print(json.dumps(res, indent=1))
-    if len(sys.argv) > 1:
-        with open(sys.argv[1], "w") as f:
-            json.dump(res, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+    if args.out:
+        write_json(args.out, result_doc("block-sparse", argv, results=res))
+    return 0
