@@ -1,10 +1,10 @@
 """Where the time of one whole VSA forward goes: a torch.profiler table of its kernels.
 
-    python3 tools/profile_vsa.py [--grid 21x30x52] [--tile 4x4x4] [--heads 12] [--sparsity 0.9]
-        [--out F.txt]
+    python3 tools/profile/profile_vsa.py [--grid 21x30x52] [--tile 4x4x4] [--heads 12]
+        [--sparsity 0.9] [--out F.txt]
 
 Default: Wan2.1-1.3B 480p (21x30x52 latent grid, 4x4x4 tiles, H12, D128, bf16, with a
-gate), the shape where the whole op is furthest from issue #5's 7.5x-over-cuDNN target.
+gate), the shape where the whole op is furthest from its 7.5x-over-cuDNN target.
 Prints CUDA time per kernel summed over --iters forwards (after a warm-up), the share of
 each, and cuDNN's dense forward on the same tiled tensors for scale. Not a benchmark (the
 profiler adds overhead between kernels); use `python -m vidattn.bench` for the ratios.
@@ -17,7 +17,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import vidattn
 
-from report_text import emit  # tools/report_text.py
+from vidattn.bench.modes.common import emit
 
 
 def main() -> None:

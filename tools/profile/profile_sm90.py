@@ -1,6 +1,6 @@
 """One launch of each sm_90a forward kernel inside a profiler range, for Nsight Compute:
 
-    ncu --profile-from-start off --set full -o sm90 python3 tools/profile_sm90.py
+    ncu --profile-from-start off --set full -o sm90 python3 tools/profile/profile_sm90.py
 
 Dense: B1 H12 S32768 D128 bf16 (the issue's dense shape). Block-sparse: Wan2.1-1.3B 480p
 (624 tiles of 64 tokens, H12, D128, 90% sparse -> 63 key tiles per query tile, a seeded

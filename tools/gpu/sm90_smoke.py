@@ -1,7 +1,9 @@
 """Small sm_90a forward runs (dense with masks / causal / GQA / varlen, multi-tile persistent
 cases, D = 64's 192-row tile, D = 128 cross attention, D = 128's CTA pairs, block-sparse 64 and
 128, the 64-token kernel with VSA's combination) for compute-sanitizer: exits non-zero on
-non-finite output or when the sm90 kernels did not run."""
+non-finite output or when the sm90 kernels did not run. Counts the launches with the test-only
+ops, so it needs an op library built with VIDATTN_TESTING=ON (tools/gpu/gpu_runner.sh and
+tools/gpu/sm90_loop.sh build one)."""
 import sys
 
 import torch

@@ -1,14 +1,14 @@
 """The key-block loops of each sm_90a attention kernel, from the SASS of one or more op
 libraries (or cubins) side by side: a static check of a kernel change before any GPU run.
 
-    python3 tools/sass_key_loops.py old.so new.so [--filter 'bfloat16_t, 128, 64'] [--arch sm_90a]
+    python3 tools/profile/sass_key_loops.py old.so new.so [--filter 'bfloat16_t, 128, 64'] [--arch sm_90a]
 
 For each kernel: its instruction count and local-memory accesses (LDL / STL: spills and
 stack), then each innermost loop that issues wgmma (HGMMA), as
   instructions / HGMMA / divergence guards (BRA.DIV) / local accesses.
 A key loop should have no local access, and no BRA.DIV: the compiler adds that guard around
 warp-collective code when it cannot prove the warp converged (a loop bound read from shared
-memory, say; perf-notes, Hopper v36). Needs cuobjdump and c++filt on PATH (the CUDA toolkit,
+memory, say; docs/perf-notes.md). Needs cuobjdump and c++filt on PATH (the CUDA toolkit,
 or the nvidia-cuda-cuobjdump wheel)."""
 import argparse
 import re
@@ -21,11 +21,13 @@ BRANCH_TARGET = re.compile(r"\bBRA\b.*?0x([0-9a-f]+)")
 LOCAL = re.compile(r"\b(LDL|STL)\b")
 
 
-def kernels(path, arch):
-    """{demangled name: [(address, instruction text)]} for the sm90 attention kernels."""
+def kernels(path, arch, pattern="sm90"):
+    """{demangled name: [(address, instruction text)]} for the kernels whose demangled name
+    matches ``pattern`` (by default every sm90 one: the attention kernels' names change with
+    their namespaces and configurations, the sm90 in them does not)."""
     found = {}
     for _, name, lines in sass_listings(path, arch):
-        if "sm90_attention_fwd" in name:
+        if re.search(pattern, name):
             found[name] = [(int(m.group(1), 16), m.group(2))
                            for m in map(INSTR.match, lines) if m]
     return found
@@ -69,8 +71,10 @@ def main() -> int:
     ap.add_argument("libs", nargs="+")
     ap.add_argument("--arch", default="sm_90a")
     ap.add_argument("--filter", default="", help="regex on the demangled kernel name")
+    ap.add_argument("--kernels", default="sm90",
+                    help="regex: which kernels are read at all (default: sm90 ones)")
     args = ap.parse_args()
-    libs = [kernels(path, args.arch) for path in args.libs]
+    libs = [kernels(path, args.arch, args.kernels) for path in args.libs]
     for name in libs[0]:
         if args.filter and not re.search(args.filter, name):
             continue

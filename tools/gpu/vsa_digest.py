@@ -1,8 +1,10 @@
 """Digests (SHA-256 of the bytes) of the VSA forward's output and of the block-sparse op's output
-and LSE on seeded inputs: run it under two libraries or two settings of a kernel switch
-(e.g. VIDATTN_SM90_PREFIX_LOADS=0) and compare the lines for bit identity.
+and LSE on seeded inputs: run it under two op libraries and compare the lines for bit identity
+(a change meant to leave the results alone, where the kernels' SASS did change).
 
-    python3 tools/vsa_digest.py [--grid 21x30x52] [--heads 12]
+    python3 tools/gpu/vsa_digest.py [--grid 21x30x52] [--heads 12]
+    NEW=new.so OLD=old.so STAGES=cmd AB_CMD="python3 tools/gpu/vsa_digest.py" ROUNDS=1 \
+        bash tools/gpu/lib_ab.sh
 """
 import argparse
 import hashlib

@@ -4,21 +4,31 @@
 # it, compute-sanitizer (memcheck, racecheck) on a small forward + backward, and the
 # benchmarks; leaves logs and JSON under $OUT (default ./gpu-run) and prints a summary.
 #
-#   OUT=/tmp/run bash tools/gpu_runner.sh            # everything
-#   STAGES="build pytest" bash tools/gpu_runner.sh   # a subset (build pytest cpp sanitizer bench
-#                                                    # bench_dense sweep bench_sparse profile distributed
-#                                                    # alltoall); SWEEP_OUT names sweep's JSON
-#   DIST_ARGS="--cases vsa --sm-margins 0,16" selects the distributed bench's arguments.
-#   PYTEST_ARGS="-k cuda" bash tools/gpu_runner.sh   # extra pytest arguments
-#   CMAKE_ARGS="-DVIDATTN_CUDA_TARGETS=90a" bash tools/gpu_runner.sh   # extra configure arguments
+#   OUT=/tmp/run bash tools/gpu/gpu_runner.sh            # everything
+#   STAGES="build pytest" bash tools/gpu/gpu_runner.sh   # a subset of the stages below
+#   PYTEST_ARGS="-k cuda" bash tools/gpu/gpu_runner.sh   # extra pytest arguments
+#   CMAKE_ARGS="-DVIDATTN_CUDA_TARGETS=90a" bash tools/gpu/gpu_runner.sh   # extra configure arguments
 #   VIDATTN_GIT_COMMIT=<hash> names the commit in the bench JSON when the tree has no .git
-#   BENCH_ARGS="--shapes gpu-dense --out $OUT/bench.json" bash tools/gpu_runner.sh
+#   BENCH_ARGS="--shapes gpu-suite --directions fwd --out $OUT/suite.json" bash tools/gpu/gpu_runner.sh
 #   PREBUILT_OPS=build/carry/_vidattn_ops.so ...   # skip the build; PYTEST_TIMEOUT, BENCH_TIMEOUT (s)
 #   PYTEST_PATHS="tests/python/test_a.py tests/python/test_b.py"   # instead of all of tests/python
 #   FASTVIDEO_DIR=../fastvideo BENCH_ARGS="--shapes gpu-suite" ...   # FastVideo's Triton peers
-#     (a folder holding fastvideo_kernel/, made by tools/fastvideo_peer.sh)
+#     (a folder holding fastvideo_kernel/, made by tools/peers/fastvideo_peer.sh)
+# Stages (STAGES, default "build pytest cpp sanitizer bench"); the benchmarks are modes of
+# python -m vidattn.bench (bench/README.md):
+#   build        configure and build build/gpu (CMAKE_ARGS), the op library into python/vidattn/
+#   pytest       tests/python (PYTEST_PATHS, PYTEST_ARGS)
+#   cpp          the C++ tests, when GoogleTest was found
+#   sanitizer    compute-sanitizer memcheck and racecheck on tools/gpu/cuda_smoke.py
+#   bench        python -m vidattn.bench (the case runner; BENCH_ARGS)
+#   bench_dense  python -m vidattn.bench dense            -> $OUT/dense.json
+#   sweep        python -m vidattn.bench dense --sweep    -> SWEEP_OUT ($OUT/dense-sweep.json)
+#   bench_sparse python -m vidattn.bench block-sparse     -> $OUT/block-sparse.json
+#   profile      Nsight Compute on tools/profile/profile_sm90.py -> $OUT/sm90_profile.txt, stalls
+#   distributed  python -m vidattn.bench distributed on 2 GPUs (DIST_ARGS, default --check)
+#   alltoall     python -m vidattn.bench alltoall on 2 GPUs, one run per ALLTOALL_ENVS setting
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-$(pwd)/gpu-run}
 STAGES=${STAGES:-"build pytest cpp sanitizer bench"}
 PYTHON=${PYTHON:-python3}
@@ -76,7 +86,7 @@ if has build; then
   tests_flag=OFF
   if [ -n "$(find /usr /opt -name GTestConfig.cmake -print -quit 2>/dev/null)" ]; then tests_flag=ON; fi
   stage configure 120 cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    -DVIDATTN_CUDA=ON -DVIDATTN_BUILD_TORCH=ON -DVIDATTN_BUILD_TESTS=$tests_flag \
+    -DVIDATTN_CUDA=ON -DVIDATTN_BUILD_TORCH=ON -DVIDATTN_BUILD_TESTS=$tests_flag -DVIDATTN_TESTING=ON \
     -DPython_EXECUTABLE="$(command -v $PYTHON)" ${CMAKE_ARGS:-} || BUILD_OK=0
   if [ $BUILD_OK = 1 ]; then
     stage build 300 cmake --build build/gpu -j "$JOBS" && cp build/gpu/_vidattn_ops.so python/vidattn/ || BUILD_OK=0
@@ -97,7 +107,7 @@ if [ $BUILD_OK = 1 ]; then
   if has sanitizer; then
     for tool in memcheck racecheck; do
       stage "sanitizer_$tool" 150 compute-sanitizer --tool "$tool" --error-exitcode 3 \
-        --kernel-name kns=vidattn $PYTHON tools/cuda_smoke.py
+        --kernel-name kns=vidattn $PYTHON tools/gpu/cuda_smoke.py
     done
   fi
   if has bench; then
@@ -111,7 +121,7 @@ if [ $BUILD_OK = 1 ]; then
     if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
       NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
         stage distributed ${DIST_TIMEOUT:-240} $PYTHON -m torch.distributed.run --nproc_per_node 2 \
-        bench/distributed_bench.py ${DIST_ARGS:---check} --out "$OUT/distributed.json"
+        -m vidattn.bench distributed ${DIST_ARGS:---check} --out "$OUT/distributed.json"
     else
       echo "=== distributed: skipped (needs 2 GPUs)"
     fi
@@ -127,7 +137,7 @@ if [ $BUILD_OK = 1 ]; then
       debug=(); [ $i = 0 ] && debug=(NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,SHM,TUNING \
         NCCL_DEBUG_FILE="$LOGS/alltoall_nccl_info.%h.%p.log")
       stage "alltoall_$i" 120 env NCCL_NVLS_ENABLE=0 "${debug[@]}" "${extra[@]}" \
-        $PYTHON -m torch.distributed.run --nproc_per_node 2 tools/bench_alltoall.py \
+        $PYTHON -m torch.distributed.run --nproc_per_node 2 -m vidattn.bench alltoall \
         --label "$setting" --out "$OUT/alltoall_$i.json"
       i=$((i + 1))
     done
@@ -135,22 +145,22 @@ if [ $BUILD_OK = 1 ]; then
       | sort | uniq -c | sort -rn | head -60 >"$OUT/alltoall_nccl_info.txt"
   fi
   if has bench_dense; then
-    stage bench_dense 200 $PYTHON tools/bench_dense_cuda.py "$OUT/bench_dense_cuda.json"
+    stage bench_dense 200 $PYTHON -m vidattn.bench dense --out "$OUT/dense.json"
   fi
   if has sweep; then  # the forward sweep across shapes against cuDNN
-    stage sweep 120 $PYTHON tools/bench_dense_cuda.py "${SWEEP_OUT:-$OUT/dense_cuda_sweep_fwd.json}" --sweep
+    stage sweep 120 $PYTHON -m vidattn.bench dense --sweep --out "${SWEEP_OUT:-$OUT/dense-sweep.json}"
   fi
   if has bench_sparse; then
-    stage bench_sparse 200 $PYTHON tools/bench_block_sparse_cuda.py "$OUT/bench_block_sparse_cuda.json"
+    stage bench_sparse 200 $PYTHON -m vidattn.bench block-sparse --out "$OUT/block-sparse.json"
   fi
   if has profile; then
     # Nsight Compute on one launch of the dense and the block-sparse sm_90a forward.
     stage profile 300 ncu --profile-from-start off --set full --kernel-name regex:sm90 \
-      -o "$LOGS/sm90_profile" $PYTHON tools/profile_sm90.py
+      -o "$LOGS/sm90_profile" $PYTHON tools/profile/profile_sm90.py
     ncu --import "$LOGS/sm90_profile.ncu-rep" --page details >"$OUT/sm90_profile.txt" 2>&1
     # Warp stall reasons per kernel (the details page shows only their sum).
     ncu --import "$LOGS/sm90_profile.ncu-rep" --page raw --csv 2>/dev/null \
-      | python3 tools/ncu_stalls.py >"$OUT/sm90_stalls.txt" 2>&1
+      | python3 tools/profile/ncu_stalls.py >"$OUT/sm90_stalls.txt" 2>&1
     cp "$LOGS/sm90_profile.ncu-rep" "$OUT/" 2>/dev/null
   fi
 fi

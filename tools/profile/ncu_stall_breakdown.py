@@ -1,8 +1,8 @@
 """Where a kernel's warps wait, from Nsight Compute's per-instruction source counters.
 
-    ncu --profile-from-start off --set full --import-source yes -o rep python3 tools/profile_sm90.py ...
+    ncu --profile-from-start off --set full --import-source yes -o rep python3 tools/profile/profile_sm90.py ...
     ncu --import rep.ncu-rep --page source --csv --print-source sass > sass.csv
-    python3 tools/ncu_stall_breakdown.py sass.csv [--kernel SUBSTRING] [--top 30]
+    python3 tools/profile/ncu_stall_breakdown.py sass.csv [--kernel SUBSTRING] [--top 30]
 
 Prints, for one kernel of the export: the stall reasons summed over the kernel; the samples
 grouped by how often each instruction ran (instructions that run once per tile per warp,

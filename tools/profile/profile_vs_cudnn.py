@@ -3,10 +3,10 @@ range, so Nsight Compute can set the two kernel designs side by side (grid, bloc
 registers, shared memory, duration, throughputs):
 
     ncu --profile-from-start off --section LaunchStats --section SpeedOfLight \
-        --section Occupancy -o cmp python3 tools/profile_vs_cudnn.py 1,32760:128,12,128 ...
+        --section Occupancy -o cmp python3 tools/profile/profile_vs_cudnn.py 1,32760:128,12,128 ...
     ncu --import cmp.ncu-rep --page details --csv > cmp.csv
 
-Shapes as tools/bench_dense_cuda.py takes them: B,S,H,D[,causal] with S a length or Sq:Sk.
+Shapes as `python -m vidattn.bench dense` takes them: B,S,H,D[,causal] with S a length or Sq:Sk.
 Not a test and not a benchmark: each kernel runs once after a warm-up."""
 import argparse
 
@@ -15,7 +15,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.functional import scaled_dot_product_attention as sdpa
 
 import vidattn
-from bench_dense_cuda import parse_shape
+from vidattn.bench.modes.common import parse_shape
 
 
 def main() -> None:

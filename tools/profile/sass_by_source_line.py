@@ -1,11 +1,11 @@
 """Which source lines a kernel's executed instructions come from: Nsight Compute's per-SASS
 counts joined to the line table nvdisasm reads from the same library (built with -lineinfo).
 
-    ncu --profile-from-start off --set full --import-source yes -o rep python3 tools/profile_vs_cudnn.py ...
+    ncu --profile-from-start off --set full --import-source yes -o rep python3 tools/profile/profile_vs_cudnn.py ...
     ncu --import rep.ncu-rep --page source --csv --print-source sass | gzip > sass.csv.gz
     cuobjdump -xelf all _vidattn_ops.so                # one cubin per translation unit
     nvdisasm -c -gi sm90_fwd_bf16_hd128_dense.sm_90a.cubin > dense128.sass
-    python3 tools/sass_by_source_line.py sass.csv.gz dense128.sass --kernel 0 --units 6142.5
+    python3 tools/profile/sass_by_source_line.py sass.csv.gz dense128.sass --kernel 0 --units 6142.5
 
 Prints, for the kernel at position --kernel of the export (its SASS found in the disassembly
 by name), the warp instructions executed and the share of warp stall samples per source line

@@ -4,9 +4,9 @@
 # forward/backward, the whole VSA op) run without the package's compiled extension. Then
 #   PYTHONPATH=DEST:$PYTHONPATH python -m vidattn.bench ...
 # finds it (it also needs triton and, for one of its modules, einops; the GPU image has both).
-#   tools/fastvideo_peer.sh DEST [VERSION]      (default VERSION 0.3.5, the one benchmarked)
+#   tools/peers/fastvideo_peer.sh DEST [VERSION]      (default VERSION 0.3.5, the one benchmarked)
 set -euo pipefail
-DEST=${1:?usage: tools/fastvideo_peer.sh DEST [VERSION]}
+DEST=${1:?usage: tools/peers/fastvideo_peer.sh DEST [VERSION]}
 VERSION=${2:-0.3.5}
 PYTHON=${PYTHON:-python3}
 tmp=$(mktemp -d)
