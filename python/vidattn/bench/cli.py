@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="no progress bar; print each row to stderr as it is done instead")
     p.add_argument("--seed", type=int, default=0, help="base seed of the random inputs")
     p.add_argument("--input-scale", type=float, default=1.0,
-                   help="standard deviation of q, k, v (targets.md sweeps 1, 4, 16)")
+                   help="standard deviation of q, k, v (the accuracy checks sweep 1, 4, 16)")
     p.add_argument("--ref-heads", type=int, default=None,
                    help="cap the heads the float64 reference covers (default: all that fit a "
                         "FLOP budget, batch 0 only when not all fit)")

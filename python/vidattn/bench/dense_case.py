@@ -111,7 +111,7 @@ class DenseCase(Case):
 
 def dense_case(device: torch.device) -> DenseCase:
     if device.type == "cuda":
-        # targets.md measures against cuDNN first; FA2 and the default dispatch for context.
+        # cuDNN is the peer the targets are set against; FA2 and the default dispatch for context.
         return DenseCase([VidattnDense(), SdpaDense("CUDNN_ATTENTION"),
                           SdpaDense("FLASH_ATTENTION"), SdpaDense()],
                          peer_order=("sdpa-cudnn", "sdpa-flash", "sdpa"))

@@ -22,7 +22,7 @@ their shards (all-to-all, attention on H/2 heads, reverse all-to-all); the slowe
 counts. efficiency = time(1 GPU) / (2 x time(2 GPUs)): 1.0 is perfect scaling (target >=
 0.90). Forward is timed under no_grad; backward is the backward pass alone (the forward
 before it is not in the time). Times are medians of CUDA-event timings over --iters after
---warmup (targets.md: median).
+--warmup.
 
 --comm-priority high puts the world group's NCCL collectives on high-priority CUDA streams
 (the GPU then schedules their CTAs ahead of a running kernel's waiting ones); a
