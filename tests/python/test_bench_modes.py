@@ -72,8 +72,8 @@ def test_distributed_mode_on_cpu(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
          "--standalone", "-m", "vidattn.bench", "distributed", "--device", "cpu",
-         "--grid", "2x8x8", "--heads", "4", "--head-dim", "32", "--dtype", "fp32",
-         "--iters", "1", "--warmup", "0", "--check", "--out", str(out)],
+         "--grid", "2x8x8", "--heads", "4", "--iters", "2", "--warmup", "1", "--check",
+         "--out", str(out)],
         env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
