@@ -16,7 +16,9 @@ import torch
 
 import vidattn
 from vidattn.bench import clocks, environment, reference, report, shapes
-from vidattn.bench.cases import DenseCase, Impl, SdpaDense, VidattnDense, cases_for
+from vidattn.bench.base import Impl
+from vidattn.bench.cases import cases_for
+from vidattn.bench.dense_case import DenseCase, SdpaDense, VidattnDense
 from vidattn.bench.plot import write_plot
 from vidattn.bench.runner import Plan, direction_flops, run_plan
 from vidattn.bench.timing import CpuTimer
@@ -214,15 +216,21 @@ def test_reference_scope_shrinks_for_big_shapes():
     assert reference.choose_scope(wan, "fwd", "cuda", max_heads=1).heads == 1
 
 
-def test_default_out_names_non_default_presets():
+def test_default_out_is_one_stable_name_per_benchmark_and_device():
     from vidattn.bench.cli import default_out
 
     meta = {"device": "cpu-X-2t", "date": "2026-11-29"}
-    assert default_out(meta, None, "quick").name == "cpu-X-2t-2026-11-29.json"
-    assert default_out(meta, ["quick"], "quick").name == "cpu-X-2t-2026-11-29.json"
-    assert default_out(meta, ["cpu-4k"], "quick").name == "cpu-X-2t-cpu-4k-2026-11-29.json"
-    assert default_out(meta, ["b1h1s8d8"], "quick").name == "cpu-X-2t-custom-2026-11-29.json"
-    assert default_out(meta, None, "quick").parent.parts[-2:] == ("bench", "results")
+    assert default_out(meta, None, "quick").name == "quick.json"
+    assert default_out(meta, ["quick"], "quick").name == "quick.json"
+    assert default_out(meta, ["cpu-4k"], "quick").name == "cpu-4k.json"
+    assert default_out(meta, ["b1h1s8d8"], "quick").name == "custom.json"
+    assert default_out(meta, None, "quick").parent.parts[-3:] == ("bench", "results", "cpu-X-2t")
+    # A partial run names its cases and directions; all cases is the whole run.
+    assert default_out(meta, ["gpu-suite"], "video", None, ["fwd"]).name == "gpu-suite-fwd.json"
+    assert default_out(meta, ["gpu-suite"], "video", ["dense", "vsa"]).name == \
+        "gpu-suite-dense-vsa.json"
+    assert default_out(meta, ["gpu-suite"], "video", ["dense", "blocksparse", "vsa"]).name == \
+        "gpu-suite.json"
 
 
 def test_device_names_are_file_safe():

@@ -16,7 +16,8 @@ from vidattn.bench.blocksparse_case import (BlockSparseCase, FastVideoBlockSpars
                                             FlexBlockSparse, VidattnBlockSparse,
                                             block_sparse_reference, blocksparse_case,
                                             random_selection, topk_of)
-from vidattn.bench.cases import Impl, cases_for, to_layout
+from vidattn.bench.base import Impl, to_layout
+from vidattn.bench.cases import cases_for
 from vidattn.bench.plot import write_plot
 from vidattn.bench.runner import Plan, direction_flops, run_plan
 from vidattn.bench.timing import CpuTimer
@@ -367,7 +368,7 @@ def test_vsa_case_backward_against_its_references():
     """The VSA case's backward rows: each implementation's dq, dk, dv on token slots against
     its own float64 reference (VSA with vidattn's selection, dense over tokens, dense over
     every slot), with a gradient that is 0 on pad slots."""
-    from vidattn.bench.cases import SdpaDense
+    from vidattn.bench.dense_case import SdpaDense
     from vidattn.bench.vsa_case import vsa_case
 
     case = vsa_case(CPU)

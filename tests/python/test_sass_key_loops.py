@@ -1,10 +1,10 @@
-"""tools/sass_key_loops.py's loop finder on hand-written SASS (no cuobjdump needed): the
-static check of key loops that perf-notes v36 relies on must see a loop's wgmma, divergence
-guards and local accesses, and must not take a slow path's jump back for a loop."""
+"""tools/profile/sass_key_loops.py's loop finder on hand-written SASS (no cuobjdump needed):
+the static check of key loops must see a loop's wgmma, divergence guards and local accesses,
+and must not take a slow path's jump back for a loop."""
 import pathlib
 import sys
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools" / "profile"))
 import sass_key_loops  # noqa: E402
 
 

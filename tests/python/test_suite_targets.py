@@ -1,10 +1,10 @@
-"""tools/suite_targets.py on hand-made suite rows: which rows carry a target, the ratios it
-reads from the runner's ``ratios_to_peers``, and the verdicts at and around each bound."""
-import pathlib
-import sys
+"""`python -m vidattn.bench targets` on hand-made suite rows: which rows carry a target, the
+ratios it reads from the runner's ``ratios_to_peers``, and the verdicts at and around each
+bound."""
+import json
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tools"))
-import suite_targets  # noqa: E402
+from vidattn.bench.cli import main as bench_main
+from vidattn.bench.modes import targets as suite_targets
 
 
 def row(case, ms, tflops, peers=None, q_len=32768, kv_len=None, head_dim=128, sparsity=None,
@@ -74,3 +74,15 @@ def test_whole_vsa_against_cudnn_and_failed_rows_are_skipped():
     assert ok
     assert lines == ["whole VSA S32768k32768 D128 s0.9: 2.000 ms, cuDNN dense 16.000 ms, 8.00x "
                      "(>= 7.5x: met); 1.50x FastVideo's op"]
+
+
+def test_targets_mode_reads_a_suite_json(tmp_path, capsys):
+    path = tmp_path / "suite.json"
+    path.write_text(json.dumps({"rows": [
+        row("dense", 10.0, 660.0, {"sdpa-cudnn": 1.05}),  # below 1.10x
+        row("vsa", 1.0, 0.0, {"sdpa-cudnn": 8.0}, q_len=39936)]}))
+    assert bench_main(["targets", str(path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].endswith("1.050x (>= 1.10x: missed by 4.5%)")
+    assert out[1].startswith("whole VSA") and out[1].endswith("8.00x (>= 7.5x: met)")
+    assert out[-1] == "some targets missed"

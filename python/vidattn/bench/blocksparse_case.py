@@ -5,7 +5,7 @@ query tile) shared by every implementation, so that all do the same FLOPs.
 Rows: ``vidattn`` (vidattn.block_sparse_attention), ``flex`` (FlexAttention with the BlockMask
 of the same selection, 64 x 64 blocks, compiled on the GPU) and ``fastvideo-triton``
 (fastvideo-kernel's Triton block-sparse kernel, when that package imports; GPU only).
-FLOPs (targets.md): forward ``4 * B * H * Sq * (topk * 64) * D``, backward 2.5x.
+FLOPs: forward ``4 * B * H * Sq * (topk * 64) * D``, backward 2.5x.
 Each row is checked against a float64 reference of the same selection (forward: out;
 backward: dq, dk, dv), so a peer that computes something else shows a large error.
 """
@@ -19,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from . import peers
-from .cases import Case, Impl, QkvLayoutInputs, missing_vidattn_op
+from .base import Case, Impl, QkvLayoutInputs, missing_vidattn_op
 from .peers import selection_to_dense_mask  # noqa: F401  (part of this case's API)
 from .reference import RefScope
 from .shapes import BLOCK_SPARSE_TILE, Shape
@@ -195,7 +195,7 @@ class BlockSparseCase(Case):
     name = "blocksparse"
 
     def forward_flops(self, shape: Shape) -> float:
-        keys = topk_of(shape) * BLOCK_SPARSE_TILE  # Sk_eff (targets.md)
+        keys = topk_of(shape) * BLOCK_SPARSE_TILE  # the keys each query attends
         return 4.0 * shape.batch * shape.heads * shape.q_len * keys * shape.head_dim
 
     def make_inputs(self, shape, dtype, device, generator, input_scale=1.0) -> BlockSparseInputs:
@@ -234,6 +234,6 @@ class BlockSparseCase(Case):
 
 def blocksparse_case(device: torch.device) -> BlockSparseCase:
     impls = [VidattnBlockSparse(), FlexBlockSparse(device.type), FastVideoBlockSparse()]
-    # vidattn's x-peer column: FastVideo's Triton kernel first (targets.md's 1.5x), then Flex;
+    # vidattn's x-peer column: FastVideo's Triton kernel first (the strongest peer), then Flex;
     # the JSON has the ratio to every peer that ran.
     return BlockSparseCase(impls, peer_order=("fastvideo-triton", "flex"))

@@ -1,4 +1,6 @@
-"""``python -m vidattn.bench``: argument parsing and the top-level flow."""
+"""``python -m vidattn.bench``: argument parsing and the top-level flow. A first argument that
+names a mode (modes/__init__.py: ``dense``, ``rope``, ``distributed``, ...) hands the rest of
+the command line to that mode; anything else is the case runner's."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +12,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import cases as cases_mod
-from . import environment, report, shapes as shapes_mod
+from . import environment, modes, report, shapes as shapes_mod
 from .clocks import ClockSampler
 from .runner import Plan, run_plan
 from .timing import timer_for
@@ -27,8 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     presets = "; ".join(f"{name}: {p.about}" for name, p in shapes_mod.PRESETS.items())
     p = argparse.ArgumentParser(
         prog="python -m vidattn.bench",
+        usage="%(prog)s [MODE] [options]",
         description="Time vidattn against its peers (PyTorch SDPA) and check every result "
-                    "against a float64 reference. Prints a table, writes JSON and a PNG.")
+                    "against a float64 reference. Prints a table, writes JSON and a PNG.",
+        epilog="Modes (python -m vidattn.bench MODE --help):\n" + modes.describe(),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None,
                    help="cpu or cuda[:N] (default: cuda when available, else cpu)")
     p.add_argument("--dtype", type=_csv, default=None,
@@ -41,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "CUDA")
     p.add_argument("--directions", type=_csv, default=None,
                    help="comma list of fwd, bwd (default: the preset's, usually both)")
-    p.add_argument("--cases", type=_csv, default=list(cases_mod.CASE_NAMES),
+    p.add_argument("--cases", type=_csv, default=None,
                    help="comma list of dense, blocksparse, vsa (default: all; each runs the "
                         "shapes of its kind: plain lengths for dense, lengths with a sparsity "
                         "(sp0.875) for blocksparse, video grids for vsa)")
@@ -59,15 +64,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CPU threads for vidattn and the peers alike (torch.set_num_threads; "
                         "default: torch's current setting)")
     p.add_argument("--out", type=Path, default=None,
-                   help="JSON path (default bench/results/<device>[-<preset>]-<YYYY-MM-DD>.json in "
-                        "the git checkout of the current directory, the preset named unless it "
-                        "is the device's default); the PNG goes next to it")
+                   help="JSON path (default bench/results/<device>/<preset>[-<cases>]"
+                        "[-<directions>].json in the git checkout of the current directory, "
+                        "cases and directions named when given); the PNG goes next to it")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar; print each row to stderr as it is done instead")
     p.add_argument("--seed", type=int, default=0, help="base seed of the random inputs")
     p.add_argument("--input-scale", type=float, default=1.0,
-                   help="standard deviation of q, k, v (targets.md sweeps 1, 4, 16)")
+                   help="standard deviation of q, k, v (the accuracy checks sweep 1, 4, 16)")
     p.add_argument("--ref-heads", type=int, default=None,
                    help="cap the heads the float64 reference covers (default: all that fit a "
                         "FLOP budget, batch 0 only when not all fit)")
@@ -89,17 +94,27 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error(f"--dtype: expected some of {sorted(cases_mod.DTYPES)}, got {bad}")
 
 
-def default_out(meta: dict, shape_args: Optional[list[str]], default_preset: str) -> Path:
-    """``bench/results/<device>-<date>.json`` for the device's default preset; other runs add
-    their preset (or ``custom``) after the device, so that they do not overwrite it."""
+def default_out(meta: dict, shape_args: Optional[list[str]], default_preset: str,
+                case_args: Optional[list[str]] = None,
+                direction_args: Optional[list[str]] = None) -> Path:
+    """``bench/results/<device>/<preset>.json``: one stable name per (benchmark, device), the
+    baseline that bench/results/README.md indexes, so a new run replaces it and git keeps the
+    old one. Shape lists are ``custom``; the cases and directions, when given, are part of
+    the name (``gpu-suite-fwd``, ``gpu-suite-dense-vsa``), so a partial run does not replace
+    the whole one. The date and commit are inside the JSON."""
     names = shape_args or [default_preset]
     tag = names[0] if len(names) == 1 and names[0] in shapes_mod.PRESETS else "custom"
-    stem = meta["device"] + ("" if tag == default_preset else f"-{tag}")
-    return environment.repo_root() / "bench" / "results" / f"{stem}-{meta['date']}.json"
+    if case_args and list(case_args) != list(cases_mod.CASE_NAMES):
+        tag += "-" + "-".join(case_args)
+    if direction_args:
+        tag += "-" + "-".join(direction_args)
+    return environment.repo_root() / "bench" / "results" / meta["device"] / f"{tag}.json"
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in modes.MODES:
+        return modes.run(argv[0], argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     _check(args, parser)
@@ -121,7 +136,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     try:
         preset = shapes_mod.resolve(args.shapes or [DEFAULT_PRESET[device.type]])
-        cases = cases_mod.cases_for(device, args.cases)
+        cases = cases_mod.cases_for(device, args.cases or cases_mod.CASE_NAMES)
     except ValueError as e:
         parser.error(str(e))
     plan = Plan(shapes=preset.shapes,
@@ -138,7 +153,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     meta["peers"] = {"fastvideo_kernel": fastvideo_info(),
                      "flex_attention": f"torch {torch.__version__}"}
-    out = args.out or default_out(meta, args.shapes, DEFAULT_PRESET[device.type])
+    out = args.out or default_out(meta, args.shapes, DEFAULT_PRESET[device.type],
+                                  args.cases, args.directions)
 
     from tqdm import tqdm
 

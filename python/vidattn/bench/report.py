@@ -109,18 +109,18 @@ def format_notes(rows: Sequence[dict], meta: dict) -> str:
     return "\n".join(notes)
 
 
-def _json_safe(value):
+def json_safe(value):
     """Strict JSON: non-finite floats become the strings "inf", "-inf", "nan"."""
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_json_safe(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
 def write_json(path: Path, meta: dict, rows: Sequence[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"schema": SCHEMA, **meta, "rows": list(rows)}
-    path.write_text(json.dumps(_json_safe(doc), indent=1, allow_nan=False) + "\n")
+    path.write_text(json.dumps(json_safe(doc), indent=1, allow_nan=False) + "\n")

@@ -9,10 +9,10 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from . import reference
-from .cases import DTYPES, Case, Impl, dtype_of, to_layout
+from .base import DTYPES, Case, Impl, dtype_of, to_layout
 from .shapes import Shape
 
-BWD_FLOP_FACTOR = 2.5  # targets.md: backward FLOPs = 2.5 x forward
+BWD_FLOP_FACTOR = 2.5  # backward FLOPs = 2.5 x forward, by convention
 
 
 @dataclass
@@ -200,7 +200,7 @@ def _time(timer, prepared, flops: float, clocks=None) -> None:
 
 def _compare_to_peer(rows: list[dict], peer_order: Sequence[str]) -> None:
     """ratio_to_peer = peer time / this time (> 1: faster than the peer); err_ratio_to_peer =
-    this error / the peer's error (targets.md's accuracy rule compares the two)."""
+    this error / the peer's error (the accuracy rule compares the two)."""
     done = {r["impl"]: r for r in rows if r["status"] == "ok"}
     peer = next((done[name] for name in peer_order if name in done), None)
     for row in rows:

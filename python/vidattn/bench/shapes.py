@@ -66,7 +66,7 @@ def cross(batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
     return Shape(batch, heads, q_len, kv_len, head_dim, name=name)
 
 
-# Tokens per tile of the block-sparse kernel problems (vsa.md: 4 x 4 x 4 tiles).
+# Tokens per tile of the block-sparse kernel problems (4 x 4 x 4 video tiles).
 BLOCK_SPARSE_TILE = 64
 
 
@@ -84,7 +84,7 @@ def block_sparse(batch: int, heads: int, seq: int, head_dim: int, sparsity: floa
 
 def vsa(batch: int, heads: int, grid: tuple[int, int, int], head_dim: int, sparsity: float,
         name: str = "", tile: tuple[int, int, int] = (4, 4, 4)) -> Shape:
-    """A video of ``grid`` tokens in the tiled layout of ``tile`` (vsa.md section 1)."""
+    """A video of ``grid`` tokens in the tiled layout of ``tile`` (docs/vsa.md)."""
     tiles = math.prod(-(-g // t) for g, t in zip(grid, tile))
     padded = tiles * math.prod(tile)
     return Shape(batch, heads, padded, padded, head_dim, name=name, grid=tuple(grid),
@@ -107,7 +107,7 @@ PRESETS: dict[str, Preset] = {
     "quick": Preset((dense(1, 4, 1024, 64), dense(1, 4, 1024, 128),
                      vsa(1, 2, (8, 16, 24), 64, 0.9, "small video")),
                     about="the CPU default: small, forward and backward"),
-    # VSA against dense attention on the same tiled tensors (vsa.md): a Wan-480p-like grid
+    # VSA against dense attention on the same tiled tensors: a Wan-480p-like grid
     # (21 x 30 x 52) with fewer frames, so that dense attention takes seconds on a CPU.
     "vsa-cpu": Preset((vsa(1, 2, (12, 30, 52), 64, 0.9, "Wan-like grid, CPU scale"),),
                       directions=("fwd",), dtypes=("fp32", "bf16"),
@@ -115,29 +115,29 @@ PRESETS: dict[str, Preset] = {
     "vsa-video": Preset((vsa(1, 12, (21, 30, 52), 128, 0.9, "Wan2.1-1.3B 480p"),
                          vsa(1, 40, (21, 45, 80), 128, 0.9, "Wan2.1-14B 720p")),
                         directions=("fwd",),
-                        about="VSA vs dense at the Wan shapes of vsa.md (GPU)"),
+                        about="VSA vs dense at the Wan shapes (GPU)"),
     "cpu-4k": Preset((dense(1, 4, 4096, 64), dense(1, 4, 4096, 128)), directions=("fwd",),
                      dtypes=("fp32", "bf16"), cpu_min_repeats=7,
-                     about="the CPU acceptance measurement (targets.md): forward, fp32 and bf16"),
-    # vsa.md section 6: tiled lengths with 64-token tiles, batch 1 (the inference case).
+                     about="the CPU acceptance measurement: forward, fp32 and bf16"),
+    # The video models' tiled lengths with 64-token tiles, batch 1 (the inference case).
     "video": Preset((dense(1, 12, 39936, 128, "Wan2.1-1.3B 480p"),
                      dense(1, 40, 92160, 128, "Wan2.1-14B 720p"),
                      dense(1, 24, 115200, 128, "HunyuanVideo 720p")),
-                    about="the GPU default: video model shapes of vsa.md section 6"),
-    # targets.md's measured peers table.
+                    about="the GPU default: the video models' shapes"),
+    # The dense peers' shapes.
     "gpu-dense": Preset((dense(1, 12, 32768, 128), dense(2, 32, 16384, 64)),
-                        about="the dense shapes of targets.md's peer table"),
+                        about="the dense peers' shapes"),
     # Block-sparse kernels (64-token tiles) against FlexAttention and FastVideo's Triton kernel
-    # on one shared random selection: the Wan shapes of vsa.md section 6 at 87.5% and 90%
-    # sparsity, and targets.md's peer shape.
+    # on one shared random selection: the Wan shapes at 87.5% and 90%
+    # sparsity, and the dense peers' shape.
     "gpu-sparse": Preset(tuple(
         block_sparse(1, heads, seq, 128, sparsity, name)
         for heads, seq, name in ((12, 39936, "Wan2.1-1.3B 480p"), (40, 92160, "Wan2.1-14B 720p"))
         for sparsity in (0.875, 0.9)) + (block_sparse(1, 12, 32768, 128, 0.875),),
         dtypes=("bf16",), about="block-sparse fwd+bwd vs FlexAttention and FastVideo (GPU)"),
-    # Issue #4's side-by-side run: dense, block-sparse and the whole VSA op at the shapes of
-    # vsa.md section 6 (plus targets.md's peer shapes: S=32768 H12 D128, and B2 H32 S16384
-    # D64 for issue #5's D = 64 target), each case against its peers; and the cross
+    # The side-by-side run: dense, block-sparse and the whole VSA op at the video models'
+    # shapes (plus the dense peers' shapes: S=32768 H12 D128, and B2 H32
+    # S16384 D64 for the D = 64 target), each case against its peers; and the cross
     # attention Wan runs in every block (its 32,760 / 75,600 video tokens to 512 text tokens,
     # and to 257 image tokens in image-to-video).
     "gpu-suite": Preset(
@@ -156,7 +156,7 @@ PRESETS: dict[str, Preset] = {
            vsa(1, 12, (21, 30, 52), 128, 0.9, "Wan2.1-1.3B 480p"),
            vsa(1, 40, (21, 45, 80), 128, 0.9, "Wan2.1-14B 720p"),
            vsa(1, 24, (30, 48, 80), 128, 0.9, "HunyuanVideo 720p")),
-        dtypes=("bf16",), about="dense + block-sparse + whole VSA vs all peers (GPU, issue #4)"),
+        dtypes=("bf16",), about="dense + block-sparse + whole VSA vs all peers (GPU)"),
     "tiny-sparse": Preset((block_sparse(1, 3, 320, 32, 0.6),),
                           about="seconds; for tests of the block-sparse case"),
 }

@@ -1,10 +1,10 @@
 """The VSA case: the whole Video Sparse Attention op against dense attention on the same
-tiled tensors (vsa.md), forward and backward.
+tiled tensors (docs/vsa.md), forward and backward.
 
 Rows: ``vidattn-vsa`` (pool + coarse attention + top-k + block-sparse fine attention +
 combine), ``vidattn-dense`` (dense attention over the video's tokens: the pad slots masked as
 keys and zeroed as queries), PyTorch SDPA on the same padded tensors (cuDNN on CUDA: what
-targets.md compares the whole VSA op with) and, on CUDA when fastvideo-kernel imports,
+the whole VSA op's target is set against) and, on CUDA when fastvideo-kernel imports,
 ``fastvideo-vsa`` (FastVideo's whole VSA op, ``video_sparse_attn``, Triton path). TFLOP/s
 counts dense-equivalent FLOPs over the padded length for every row, so the x-peer column is
 the speedup over dense. Each row is checked against its own float64 reference (VSA with
@@ -20,8 +20,9 @@ from typing import Optional
 import torch
 
 from . import peers
-from .cases import Case, Impl, QkvLayoutInputs, SdpaDense, missing_vidattn_op
+from .base import Case, Impl, QkvLayoutInputs, missing_vidattn_op
 from .blocksparse_case import block_sparse_reference
+from .dense_case import SdpaDense
 from .reference import RefScope
 from .shapes import Shape
 
