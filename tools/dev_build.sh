@@ -7,6 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(pwd)/.venv/bin/python}
 cmake -S . -B build/dev -G Ninja -DCMAKE_BUILD_TYPE=Release -DVIDATTN_BUILD_TESTS=ON \
-  -DVIDATTN_BUILD_TORCH=ON -DPython_EXECUTABLE="$PYTHON" ${VIDATTN_CMAKE_ARGS:-} >/dev/null
+  -DVIDATTN_BUILD_TORCH=ON -DVIDATTN_TESTING=ON -DPython_EXECUTABLE="$PYTHON" ${VIDATTN_CMAKE_ARGS:-} >/dev/null
 cmake --build build/dev
 cp build/dev/_vidattn_ops.so python/vidattn/

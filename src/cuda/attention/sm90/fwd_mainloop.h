@@ -432,12 +432,12 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     OnlineSoftmax softmax(p.attn.scale);
     float alpha[2];
     // The normalised output of tOrO, as the 64 rows from q0 + 64 rows_wg: by TMA from shared memory
-    // (Traits::kTmaStoreO), or each thread's own stores (a varlen sequence that ends inside
-    // those rows, or VIDATTN_SM90_TMA_STORE_O=0).
+    // (Traits::kTmaStoreO), or each thread's own stores (the other configurations, and a
+    // varlen sequence that ends inside those rows).
     auto write_output = [&](int rows_wg) __attribute__((always_inline)) {
       bool stored = false;
       if constexpr (Traits::kTmaStoreO) {
-        if (Traits::kTmaStoreO && (!p.attn.varlen || t.q0 + 64 * (rows_wg + 1) <= t.seq.len_q)) {
+        if (!p.attn.varlen || t.q0 + 64 * (rows_wg + 1) <= t.seq.len_q) {
           write_output_by_tma<Traits>(p, st, t.seq, t.head, p.attn.varlen ? 0 : t.batch, t.q0,
                                       tOrO, tOcO, softmax, row_limit, rows_wg, tid % 128);
           stored = true;
