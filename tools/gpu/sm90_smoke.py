@@ -91,8 +91,8 @@ def main() -> int:
         index = torch.tensor([0, 2, 5], dtype=torch.int32, device="cuda").expand(1, 4, tiles, 3).contiguous()
         count = torch.randint(0, 4, (1, 4, tiles), generator=g, device="cuda", dtype=torch.int32)
         sizes = torch.tensor([tile, 1, tile, 0, tile, tile // 2], dtype=torch.int32, device="cuda")
-        out, lse = torch.ops.vidattn._block_sparse_forward_sm90(q, k, k, index, count, sizes, tile)
-        results.append(out)
+        results.append(vidattn.block_sparse_attention(q, k, k, index, count, tile_volume=tile,
+                                                      kv_block_sizes=sizes))
     # VSA's combination inside the 64-token kernel (vsa_fine_combined), with a persistent grid
     # of one CTA, so that the combining warps take many tiles from the consumers.
     tiles = 40

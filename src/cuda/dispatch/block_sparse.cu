@@ -179,8 +179,9 @@ bool cuda_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
   const DeviceGuard device(p.device.index);
   const auto stream = static_cast<cudaStream_t>(o.stream);
   if (o.validate_index)
-    cuda_vsa::check_block_sparse_index(kFn, q2k_index, q2k_count, p.kv_tiles, optional_view(o.q_block_sizes),
-                          optional_view(o.kv_block_sizes), p.tile_volume, stream);
+    cuda_vsa::check_block_sparse_index(kFn, q2k_index, q2k_count, p.kv_tiles,
+                                       optional_view(o.q_block_sizes),
+                                       optional_view(o.kv_block_sizes), p.tile_volume, stream);
   if (combine && try_sm90_forward(p, q, k, v, q2k_index, q2k_count, out, lse, o, stream, combine))
     return true;
   if (try_sm90_forward(p, q, k, v, q2k_index, q2k_count, out, lse, o, stream)) return false;

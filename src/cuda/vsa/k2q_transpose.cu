@@ -168,7 +168,8 @@ void cuda_block_sparse_transpose_index(const TensorView& q2k_index, const Tensor
   const cuda_common::DeviceGuard device(q2k_index.device.index);
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
   if (validate_index)
-    cuda_vsa::check_block_sparse_index(kFn, q2k_index, q2k_count, num_kv_tiles, nullptr, nullptr, 64, stream);
+    cuda_vsa::check_block_sparse_index(kFn, q2k_index, q2k_count, num_kv_tiles, nullptr, nullptr,
+                                       64, stream);
   cuda_vsa::launch_transpose(q2k_index, q2k_count, num_kv_tiles, k2q_offsets, k2q_index, stream);
 }
 

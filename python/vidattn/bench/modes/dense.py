@@ -132,15 +132,16 @@ def dense_rows(shapes, fwd_vs_cudnn, ours_only, requires_grad, g):
 
 
 def sparse_rows(specs, g):
-    """The sm_90a block-sparse launcher on random ascending lists; none where it is not
-    built (the op exists only in a testing build) or the GPU is not sm_90."""
+    """The block-sparse forward (the sm_90a kernels) on random ascending lists, through the
+    public op without its index check; none where the GPU is not sm_90."""
     import torch
+
+    import vidattn
 
     from ..timing import gpu_median_ms
 
     rows = []
-    if not hasattr(torch.ops.vidattn, "_block_sparse_forward_sm90") or \
-            torch.cuda.get_device_capability() != (9, 0):
+    if torch.cuda.get_device_capability() != (9, 0):
         return rows
     for B, S, H, D, tile, sparsity in specs:
         tiles = S // tile
@@ -151,12 +152,15 @@ def sparse_rows(specs, g):
         index = scores.topk(topk, dim=-1).indices.sort(dim=-1).values.to(torch.int32)
         count = torch.full((B, H, tiles), topk, dtype=torch.int32, device="cuda")
         sizes = torch.full((tiles,), tile, dtype=torch.int32, device="cuda")
-        op = torch.ops.vidattn._block_sparse_forward_sm90
+
+        def op():
+            return vidattn.block_sparse_attention(q, k, v, index, count, tile_volume=tile,
+                                                  kv_block_sizes=sizes, validate_index=False)
+
         flops = 4 * B * H * S * topk * tile * D
         row = {"shape": [B, S, H, D], "tile": tile, "sparsity": sparsity, "topk": topk}
         try:
-            row["sparse_fwd"] = tflops(flops, gpu_median_ms(
-                lambda: op(q, k, v, index, count, sizes, tile)))
+            row["sparse_fwd"] = tflops(flops, gpu_median_ms(op))
         except Exception as e:
             row["sparse_error"] = str(e)[:200]
         rows.append(row)

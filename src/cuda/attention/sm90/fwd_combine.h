@@ -27,7 +27,8 @@ namespace vidattn::cuda_sm90 {
 // Combines one stream tile (query rows [t.q0, t.q0 + 64) of head t.head) with the 32 lanes
 // of a warp: lane l takes column chunk l % (D / 8) of every (32 / (D / 8))-th row.
 // Not inlined: inlined, it pushed the producer's loop (same warpgroup, same 24 registers) into
-// 10 spills per key block; as a call, 2, and the fused kernel ran 1% faster (perf-history, Hopper v17).
+// 10 spills per key block; as a call, 2, and the fused kernel ran 1% faster (perf-history,
+// Hopper v17).
 template <class Traits>
 __device__ __noinline__ void combine_tile(const FwdKernelParams<Traits>& p,
                                           const cuda_common::Sequence& seq, std::int64_t q0,

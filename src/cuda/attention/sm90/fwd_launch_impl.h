@@ -317,8 +317,8 @@ bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
   if (p.key_mask != nullptr) {
     // Key padding runs an instance of its own, so that the mask code does not shape the
     // unmasked kernel (with it, ptxas scheduled the unmasked loop differently: up to -6% at
-    // D = 128; docs/perf-history.md, Hopper v15). It keeps to the 128-row tile at D = 64 (causal key
-    // padding only: the rest is packed as varlen first, pack_padding.h).
+    // D = 128; docs/perf-history.md, Hopper v15). It keeps to the 128-row tile at D = 64
+    // (causal key padding only: the rest is packed as varlen first, pack_padding.h).
     using Traits = launch_detail::DenseTraits<T, D>;
     return launch_detail::launch<Traits, DenseVisit<Traits::kBlockN, true>>(
         p, SparseKeyListArgs{}, stream);

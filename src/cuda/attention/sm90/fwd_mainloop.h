@@ -329,8 +329,8 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   Tensor tSrQ = wg_qk.partition_fragment_A(sQ);   // smem descriptors
   Tensor tSrK = wg_qk.partition_fragment_B(sK);   // (mma, n, k, stage)
   Tensor tOrV = wg_pv.partition_fragment_B(sVt);  // (mma, d, keys, stage)
-  // The descriptors of ring slot `stage`, its index made warp-uniform (perf-history, Hopper v34: the ring position
-  // is loop-carried and the compiler keeps it per thread).
+  // The descriptors of ring slot `stage`, its index made warp-uniform (the ring position is
+  // loop-carried and the compiler keeps it per thread; perf-history, Hopper v34).
   auto k_slot = [&](int stage) { return tSrK(_, _, _, warp_uniform(stage)); };
   auto v_slot = [&](int stage) { return tOrV(_, _, _, warp_uniform(stage)); };
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<BM>, Int<BN>>{});
@@ -344,8 +344,8 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   Tensor tOrP32 = recast<uint32_t>(tOrP);
   // kAltP (the speculating two-warpgroup kernels): a second P operand. Key blocks alternate
   // between the two, so that a block's speculated P is written straight into the operand its
-  // P V product reads while the previous block's product still reads the other one (perf-history, Hopper v41: no
-  // 32-word copy per block). The key loops run in pairs of blocks so that each step's
+  // P V product reads while the previous block's product still reads the other one (no 32-word
+  // copy per block; perf-history, Hopper v41). The key loops run in pairs of blocks so that each step's
   // operands are fixed registers; a loop of an odd number of steps moves P back once.
   constexpr bool kAltP = Traits::kSpeculativeSoftmax;
   Tensor tOrPAlt = make_tensor<Element>(PLayout{});  // never read where !kAltP (dead code)

@@ -22,7 +22,8 @@ struct OnlineSoftmax {
   // accumulator is rescaled on the few blocks that move it instead of on every block. The
   // result is the same math: numerator and denominator share the base.
   static constexpr float slack = 8.f;
-  static constexpr float sum_limit = 256.f;  // 2^slack: no probability above it leaves the base in place
+  // 2^slack: no probability above it leaves the base in place.
+  static constexpr float sum_limit = 256.f;
 
   __device__ __forceinline__ explicit OnlineSoftmax(float scale) {
     scale_log2 = scale * cuda_common::kLog2e;

@@ -46,44 +46,23 @@ struct FwdTraits {
   // v21 and "Clusters of four").
   static_assert(kClusterM == 1 || (kClusterM == 2 && !kStreamItems && !kHalfLoads),
                 "multicast K / V serves the dense static schedule, in pairs");
-  // Stream items walk their key blocks from StreamItems::first_block on, so the streams in
-  // flight read the same part of a head's K / V at once: +3% at Wan 720p and HunyuanVideo for
-  // 64-row streams (each loads its own K / V, ~8 TB/s from L2), but -2-3% for the 128-row
-  // streams of the 128-token kernel (docs/perf-history.md, Hopper v19).
-  static constexpr bool kRotatedWalk = kStreamItems && kWGPerStream == 1;
-  // kSplitTail: the dense three-warpgroup kernels split the tiles of a grid's last, partly
-  // filled round into three 64-row pieces, each run by all three warpgroups over every third
-  // key block and combined in shared memory (SplitTail, tile_scheduler.h; the consumer
-  // loop; combine_split_piece): that round then takes about half a tile's time (perf-history, Hopper v32).
-  // Dense128Short: D = 128 on three warpgroups of 160 registers over 64-key blocks, for at
-  // most 512 keys (fwd_launch_impl.h). Two mainloop choices differ for it (perf-history,
-  // Hopper v36 and v37):
-  // * kUniformControl: the tile record's loop-steering values made warp-uniform (a shared-
-  //   memory read is not uniform to the compiler, which then guards the key loops' warp-
-  //   collective instructions against divergence): +2-20% at D = 64; Dense128Short's key
-  //   loops spill with it and run 2-7% slower.
-  // * kEarlyTileSetup: the consumers wait for the tile's record alone (tile_full), set the
-  //   tile up, then wait for its Q, so that the set-up overlaps Q's load: +2.5% for
-  //   Dense128Short at 77-128 keys; elsewhere -2.6% (D = 64 three-warpgroup kernel, 128
-  //   keys) and -2% (the D = 128 CTA pairs).
-  static constexpr bool kDense128Short = kHeadDim == 128 && kWGPerStream == 3;
-  // kOneBlock: three warpgroups over one 128-key block per tile (one K and one V slot), for
-  // problems of at most 128 keys (the dispatch checks); only that path is compiled: one S,
-  // one softmax, one P V, and O is not live through S and the softmax. At D = 128 that is what
-  // lets a 128-key S (64 values) fit beside the O accumulator (64) in 160 registers, where
-  // the 64-key blocks take two of each; at D = 64 (O of 32 values) it is the loop's code and
-  // registers that go.
-  static constexpr bool kOneBlock =
-      kWGPerStream == 3 && kBlockN == 128 && kStagesK == 1 && kStagesV == 1;
-  static constexpr bool kUniformControl = !kDense128Short;
-  static constexpr bool kEarlyTileSetup = kDense128Short;
-  static constexpr bool kSplitTail =
-      kWGPerStream == 3 && kStreams == 1 && !kStreamItems && kClusterM == 1 && kTmaStoreO;
+  // The features of the configuration, by name (fwd_config.h says what each does), and the
+  // shapes each of them needs.
+  static constexpr bool kOneBlock = kConfig.one_block;
+  static constexpr bool kSplitTail = kConfig.split_tail;
+  static constexpr bool kPrefixLoads = kConfig.prefix_loads;
+  static constexpr bool kRotatedWalk = kConfig.rotated_walk;
+  static constexpr bool kUniformControl = kConfig.uniform_control;
+  static constexpr bool kEarlyTileSetup = kConfig.early_tile_setup;
+  static_assert(!kOneBlock || (kWGPerStream == 3 && kStagesK == 1 && kStagesV == 1),
+                "one block per tile: the three-warpgroup tile with one K and one V slot");
+  static_assert(!kSplitTail || (kWGPerStream == 3 && kStreams == 1 && !kStreamItems &&
+                                kClusterM == 1 && kTmaStoreO),
+                "split pieces: the dense three-warpgroup kernels on the static schedule");
   static constexpr int kLoadRows = kHalfLoads ? kBlockN / 2 : kBlockN;  // rows per TMA load
-  // The 64-token kernel loads each key tile only up to its valid keys (fwd_prefix_loads.h;
-  // -5% at Wan 480p). The 128 / 256-token kernel, which moves half the bytes per FLOP, ran
-  // 0.3-0.7% slower with them and keeps whole loads (docs/perf-history.md, Hopper v20).
-  static constexpr bool kPrefixLoads = kHalfLoads && kLoadRows == 64;
+  static_assert(!kPrefixLoads || (kHalfLoads && kLoadRows == 64),
+                "prefix loads: 64-token key tiles loaded one by one");
+  static_assert(!kRotatedWalk || kStreamItems, "rotated walks: stream items");
   static constexpr int kBlockMStream = 64 * kWGPerStream;
   static constexpr int kBlockM = kBlockMStream * kStreams;  // query rows per CTA tile
   static constexpr int kConsumerWGs = kStreams * kWGPerStream;
@@ -102,18 +81,17 @@ struct FwdTraits {
   // D = 64 the main loop then spills ~11 values per key block and still wins on long key
   // loops (Dense64WideTraits, fwd_launch_impl.h).
   static constexpr int kConsumerRegs = kConsumerWGs == 2 ? 240 : 160;
-  // kSpeculativeSoftmax: each key block after a tile's first takes its exponentials against
-  // the rows' current bases and checks them afterwards (OnlineSoftmax::speculate), instead of
-  // reducing the block's max first; a warp whose check fails redoes the block exactly (perf-history, Hopper v39).
-  // Two consumer warpgroups (240 registers) only: the speculated P's 32 registers made the
-  // three-warpgroup kernels' key loops spill (160 registers; 1 -> 117 local accesses at D = 64).
-  static constexpr bool kSpeculativeSoftmax = kConsumerWGs == 2;
-  // kSpeculateAfterPV: the three-warpgroup loop kernels speculate too, but only once the
-  // previous block's P V is done, writing P straight into its operand (no 32 registers more);
-  // a warpgroup's softmax then no longer overlaps its own P V, the other two warpgroups'
-  // products fill the tensor cores meanwhile (perf-history, Hopper v40: dense D = 64 +15%, D = 128 at 257-512 keys
-  // +7-16%).
-  static constexpr bool kSpeculateAfterPV = kConsumerWGs == 3 && !kOneBlock;
+  static constexpr bool kSpeculativeSoftmax = kConfig.speculation == Speculation::kOverlapped;
+  static constexpr bool kSpeculateAfterPV = kConfig.speculation == Speculation::kAfterPV;
+  // The overlapped speculation's second P (32 registers) made the three-warpgroup key loops
+  // spill (160 registers; 1 -> 117 local accesses at D = 64: perf-history, Hopper v39); after
+  // P V, in place, it fits them (dense D = 64 +15%, D = 128 at 257-512 keys +7-16%: v40).
+  static_assert(!kSpeculativeSoftmax || kConsumerWGs == 2,
+                "overlapped speculation: two consumer warpgroups of 240 registers");
+  static_assert(!kSpeculateAfterPV || (kConsumerWGs == 3 && !kOneBlock),
+                "speculation after P V: the three-warpgroup loop kernels");
+  static_assert(kOneBlock == (kConfig.speculation == Speculation::kNone),
+                "a tile of one key block has no earlier max to speculate on");
   static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0);
   static_assert(!kFusedCombine || (kStreamItems && kWGPerStream == 1 && kStreams <= 2),
                 "the combining warps are warps 2 and 3 of the producer warpgroup");
