@@ -22,6 +22,7 @@
 #include "cuda/common/params.h"
 #include "cuda/common/workspace.h"
 #include "sm90_support.h"
+#include "supported.h"
 
 namespace vidattn::detail {
 namespace {
@@ -33,14 +34,7 @@ using cuda_common::rows_aligned;
 using cuda_common::token_strides;
 
 void check_supported(const char* fn, const AttentionProblem& p) {
-  if (p.dtype != DType::kBFloat16 && p.dtype != DType::kFloat16)
-    throw NotImplementedError(concat(
-        fn, ": the CUDA backend supports bfloat16 and float16 inputs, got ", dtype_name(p.dtype),
-        "; cast to bfloat16 / float16 or use CPU tensors"));
-  if ((p.head_dim != 64 && p.head_dim != 128) || p.head_dim_v != p.head_dim)
-    throw NotImplementedError(concat(
-        fn, ": the CUDA backend supports head dims D = Dv = 64 or 128, got D = ", p.head_dim,
-        ", Dv = ", p.head_dim_v, "; pad the head dim or use CPU tensors"));
+  cuda_dispatch::check_attention_kernels_support(fn, p.dtype, p.head_dim, p.head_dim_v);
   if (p.heads_q > 65535 || p.heads_kv > 65535 || p.batch > 65535)
     throw NotImplementedError(concat(fn, ": the CUDA backend supports at most 65535 heads and ",
                                      "65535 sequences, got Hq = ", p.heads_q, ", B = ", p.batch));
