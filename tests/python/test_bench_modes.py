@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import vidattn
 from vidattn.bench import modes
 from vidattn.bench.cli import main
 from vidattn.bench.modes import common, dense
@@ -67,7 +68,9 @@ def test_distributed_mode_on_cpu(tmp_path):
     """Two gloo processes: the layer on 2 ranks against 1, with the parity check."""
     out = tmp_path / "distributed.json"
     env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2] / "python"),
+               # The workers import the vidattn this test imported (an installed one, or a
+               # checkout's python/ with its built op library), not whatever python/ holds.
+               PYTHONPATH=os.pathsep.join([str(Path(vidattn.__file__).resolve().parents[1]),
                                            os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
