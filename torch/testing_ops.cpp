@@ -9,11 +9,14 @@ namespace {
 
 // How many times the sm_90a forward kernels ran in this process.
 int64_t sm90_forward_launches() { return vidattn::testing::sm90_forward_launch_count(); }
+// How many times the sm_90a backward ran in this process.
+int64_t sm90_backward_launches() { return vidattn::testing::sm90_backward_launch_count(); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(vidattn, m) {
   m.def("_sm90_forward_launches() -> int", &sm90_forward_launches);
+  m.def("_sm90_backward_launches() -> int", &sm90_backward_launches);
 }
 
 }  // namespace vidattn::torch_ops

@@ -11,4 +11,8 @@ namespace vidattn::testing {
 void note_sm90_forward_launch() noexcept;
 std::int64_t sm90_forward_launch_count() noexcept;
 
+// The same for the sm_90a backward (torch.ops.vidattn._sm90_backward_launches): one per call.
+void note_sm90_backward_launch() noexcept;
+std::int64_t sm90_backward_launch_count() noexcept;
+
 }  // namespace vidattn::testing

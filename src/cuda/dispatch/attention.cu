@@ -14,6 +14,7 @@
 #include "core/backends.h"
 #include "core/check.h"
 #include "cuda/attention/sm80/launch.h"
+#include "cuda/attention/sm90/bwd_launch.h"
 #include "cuda/attention/sm90/fwd_launch.h"
 #include "cuda/attention/sm90/pack_padding.h"
 #include "cuda/common/device_guard.h"
@@ -65,7 +66,7 @@ AttentionParams base_params(const AttentionProblem& p, const TensorView& q, cons
   return kp;
 }
 
-// Whether the dense forward may take the sm_90a kernels (they also need sm_90a code in this
+// Whether the dense forward and backward may take the sm_90a kernels (they also need sm_90a code in this
 // build; the launcher answers that).
 bool sm90_dense_fits(const AttentionProblem& p, const AttentionParams& kp, const TensorView& q,
                      const TensorView& k, const TensorView& v, const TensorView& out) {
@@ -142,6 +143,15 @@ void cuda_attention_backward(const AttentionProblem& p, const TensorView& q,
   kp.aligned16 = kp.aligned16 && rows_aligned(grad_out, 16);
   kp.out_aligned4 = rows_aligned(dq, 4) && rows_aligned(dk, 4) && rows_aligned(dv, 4);
   const auto stream = static_cast<cudaStream_t>(o.stream);
+#ifdef VIDATTN_WITH_CUTLASS
+  if (sm90_dense_fits(p, kp, q, k, v, out) && cuda_dispatch::tma_compatible(grad_out)) {
+    bool launched = false;
+    dispatch(p, [&](auto t, auto d) {
+      launched = cuda_sm90::launch_dense_backward<decltype(t), decltype(d)::value>(kp, stream);
+    });
+    if (launched) return;
+  }
+#endif
 
   // rowsum(dO * O) workspace, stream-ordered (no device-wide synchronisation; capturable).
   const cuda_common::DeviceWorkspace delta(

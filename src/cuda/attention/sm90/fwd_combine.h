@@ -21,6 +21,7 @@
 #include "cuda/common/dtype_io.cuh"
 #include "cuda/common/tile_io.h"
 #include "fwd_kernel_params.h"
+#include "kernel_utils.h"
 
 namespace vidattn::cuda_sm90 {
 
@@ -95,7 +96,6 @@ __device__ __noinline__ void combine_tile(const FwdKernelParams<Traits>& p,
 template <class Traits>
 __device__ __forceinline__ void combine_loop(const FwdKernelParams<Traits>& p,
                                              typename Traits::StreamStorage& st, int lane) {
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
   uint32_t phase = 0;
   for (;;) {
     Barrier::wait(&st.o_ready, phase);  // acquire: the consumers' stores of the tile

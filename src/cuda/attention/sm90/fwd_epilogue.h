@@ -16,21 +16,11 @@
 #include "fwd_output_stsm.h"
 #include "fwd_params.h"
 #include "fwd_softmax.h"
+#include "kernel_utils.h"
 
 namespace vidattn::cuda_sm90 {
 
 using cuda_common::Sequence;
-
-template <class Element>
-__device__ __forceinline__ std::uint32_t pack_pair(float x, float y) {
-  if constexpr (cute::is_same_v<Element, cutlass::bfloat16_t>) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(x, y);
-    return *reinterpret_cast<std::uint32_t*>(&v);
-  } else {
-    __half2 v = __floats2half2_rn(x, y);
-    return *reinterpret_cast<std::uint32_t*>(&v);
-  }
-}
 
 // The 4 x 4 transpose of 32-bit words across a quad (lanes 4k .. 4k + 3, which share a row of
 // the accumulator) in two butterfly stages: lane q starts with words (q, 0 .. 3) and ends with

@@ -14,14 +14,11 @@
 #include "fwd_config.h"
 #include "fwd_params.h"
 #include "fwd_traits.h"
+#include "launch_utils.h"
 #include "tile_scheduler.h"
 
 namespace vidattn::cuda_sm90 {
 namespace launch_detail {
-
-template <class T>
-using CutlassElement =
-    std::conditional_t<std::is_same_v<T, __nv_bfloat16>, cutlass::bfloat16_t, cutlass::half_t>;
 
 template <class T, int D>
 using DenseTraits = FwdTraits<CutlassElement<T>, dense(D)>;

@@ -13,10 +13,6 @@
 
 namespace vidattn::cuda_sm90 {
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define VIDATTN_SM90_DEVICE_CODE 1
-#endif
-
 // The CTA's threads write zeros over `bytes` (a multiple of 16) of shared memory at `p`.
 __device__ __forceinline__ void zero_fill(void* p, std::size_t bytes) {
   auto* v = static_cast<uint4*>(p);

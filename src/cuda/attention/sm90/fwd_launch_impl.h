@@ -20,39 +20,11 @@
 #include "fwd_heuristics.h"
 #include "fwd_kernel.h"
 #include "fwd_launch.h"
+#include "launch_utils.h"
 
 namespace vidattn::cuda_sm90 {
 
 namespace launch_detail {
-
-// The (rows, D, heads, batch) view TMA reads. Strides of extent-1 dimensions never matter to
-// the addresses; they are replaced by packed values so that the descriptor's 16-byte stride
-// rule holds for any view.
-template <class Traits>
-typename Traits::GmemTensor gmem_view(const void* ptr, std::int64_t rows, int heads, int batch,
-                                      const RowStrides& st) {
-  using namespace cute;
-  constexpr int D = Traits::kHeadDim;
-  const std::int64_t head = heads > 1 ? st.head : D;
-  const std::int64_t row = rows > 1 ? st.row : head * heads;
-  const std::int64_t bat = batch > 1 ? st.batch : row * rows;
-  auto layout = make_layout(
-      make_shape(static_cast<int32_t>(rows), Int<D>{}, static_cast<int32_t>(heads),
-                 static_cast<int32_t>(batch)),
-      make_stride(row, _1{}, head, bat));
-  return make_tensor(make_gmem_ptr(static_cast<typename Traits::Element const*>(ptr)), layout);
-}
-
-// Whether the kernel has sm_90a machine code in this build (not just the empty sm_80 body).
-template <class Kernel>
-bool has_sm90a_code(Kernel kernel) {
-  cudaFuncAttributes attr{};
-  if (cudaFuncGetAttributes(&attr, kernel) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  return attr.binaryVersion >= 90;
-}
 
 // The prefix-load descriptors (fwd_prefix_loads.h): 16-row boxes over the views of the
 // whole-tile loads (gmem_view). When the driver refuses one, the kernel loads whole tiles.

@@ -19,24 +19,13 @@
 #include <cutlass/arch/barrier.h>
 
 #include "fwd_epilogue.h"
+#include "kernel_utils.h"
 #include "fwd_kernel_params.h"
 #include "key_visit.h"
 #include "fwd_softmax.h"
 #include "fwd_tile.h"
 
 namespace vidattn::cuda_sm90 {
-
-using Barrier = cutlass::arch::ClusterTransactionBarrier;
-
-// Position in a ring of kStages slots; the phase bit flips on every wrap.
-template <int kStages>
-struct RingState {
-  int stage = 0;
-  uint32_t phase = 0;
-  __device__ __forceinline__ void advance() {
-    if (++stage == kStages) stage = 0, phase ^= 1u;
-  }
-};
 
 template <class Traits>
 __device__ __forceinline__ StreamTile stream_tile(const FwdKernelParams<Traits>& p, int slot,
@@ -88,27 +77,6 @@ template <bool kSecond, class First, class Second>
 __device__ __forceinline__ auto& pick_operand(First& first, Second& second) {
   if constexpr (kSecond) return second;
   else return first;
-}
-
-// x as lane 0 holds it: the compiler then treats it as the same across the warp (shared-
-// memory descriptors built from it stay in uniform registers).
-__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
-
-// wgmma helper: C (+)= A B over the k-blocks of the operands, one commit group.
-template <class Mma, class TA, class TB, class TC>
-__device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA const& a, TB const& b, TC& c,
-                                               bool zero_init) {
-  using namespace cute;
-  warpgroup_fence_operand(c);
-  warpgroup_arrive();
-  mma.accumulate_ = zero_init ? GMMA::ScaleOut::Zero : GMMA::ScaleOut::One;
-  CUTE_UNROLL
-  for (int k = 0; k < size<2>(a); ++k) {
-    cute::gemm(mma, a(_, _, k), b(_, _, k), c);
-    mma.accumulate_ = GMMA::ScaleOut::One;
-  }
-  warpgroup_commit_batch();
-  warpgroup_fence_operand(c);
 }
 
 template <class Traits, class Visit>

@@ -1,0 +1,164 @@
+// Mainloop of the sm_90a dQ kernel (Q-stationary). A CTA owns kRows query rows of one head (64
+// per consumer warpgroup); its producer loads their Q and dO once, then streams the key blocks
+// the forward visited (the forward's key-visit policy, key_visit.h) through the ring: K and V.
+// Per block each consumer warpgroup computes, for its 64 queries:
+//   S = Q K^T, dP = dO V^T                               (wgmma SS, issued together)
+//   P = exp2(S scale log2(e) - lse2), dS = P (dP - delta) (rows = queries)
+//   dQ += dS K                                            (wgmma RS: dS from registers)
+// and at the end stores scale * dQ. Each query row has one owner and the key blocks are summed
+// in visit order: the same bits on every run.
+#pragma once
+
+#include <cmath>
+
+#include <cute/tensor.hpp>
+
+#include "bwd_epilogue.h"
+#include "bwd_kernel_params.h"
+#include "cuda/common/mma_utils.h"
+#include "cuda/common/tile_io.h"
+#include "fwd_params.h"
+#include "kernel_utils.h"
+#include "key_visit.h"
+
+namespace vidattn::cuda_sm90 {
+
+template <class Traits, class Visit>
+__device__ __forceinline__ void dq_producer(const BwdKernelParams<Traits>& p,
+                                            typename Traits::SharedStorage& st,
+                                            const cuda_common::Sequence& seq, const Visit& visit,
+                                            int n, int h, std::int64_t q0) {
+  using namespace cute;
+  constexpr int D = Traits::kHeadDim, R = Traits::kRows, C = Traits::kCols;
+  const cuda_common::AttentionParams& a = p.attn;
+  const int tb = a.varlen ? 0 : static_cast<int>(seq.batch);
+  const int q_base = static_cast<int>(a.varlen ? seq.first_q : 0);
+  const int k_base = static_cast<int>(a.varlen ? seq.first_k : 0);
+  const int hk = h / a.group;
+  Tensor mQ = p.tma_x.get_tma_tensor(make_shape(p.q_rows, Int<D>{}, a.heads_q, p.tma_batch));
+  Tensor mdO = p.tma_y.get_tma_tensor(make_shape(p.q_rows, Int<D>{}, a.heads_q, p.tma_batch));
+  Tensor mK = p.tma_u.get_tma_tensor(make_shape(p.kv_rows, Int<D>{}, a.heads_kv, p.tma_batch));
+  Tensor mV = p.tma_w.get_tma_tensor(make_shape(p.kv_rows, Int<D>{}, a.heads_kv, p.tma_batch));
+  Tensor sQ = make_tensor(make_smem_ptr(st.x.data()), typename Traits::SmemLayoutRows{});
+  Tensor sdO = make_tensor(make_smem_ptr(st.y.data()), typename Traits::SmemLayoutRows{});
+  Tensor sK = make_tensor(make_smem_ptr(st.u.data()), typename Traits::SmemLayoutCols{});
+  Tensor sV = make_tensor(make_smem_ptr(st.w.data()), typename Traits::SmemLayoutCols{});
+  auto cta_x = p.tma_x.get_slice(_0{});
+  auto cta_y = p.tma_y.get_slice(_0{});
+  auto cta_u = p.tma_u.get_slice(_0{});
+  auto cta_w = p.tma_w.get_slice(_0{});
+
+  Barrier::arrive_and_expect_tx(&st.rows_full, 2 * Traits::kRowsBytes);
+  const int qrow = q_base + static_cast<int>(q0);
+  copy(p.tma_x.with(st.rows_full),
+       cta_x.partition_S(local_tile(domain_offset(make_coord(qrow, _0{}), mQ(_, _, h, tb)),
+                                    Shape<Int<R>, Int<D>>{}, make_coord(_0{}, _0{}))),
+       cta_x.partition_D(sQ));
+  copy(p.tma_y.with(st.rows_full),
+       cta_y.partition_S(local_tile(domain_offset(make_coord(qrow, _0{}), mdO(_, _, h, tb)),
+                                    Shape<Int<R>, Int<D>>{}, make_coord(_0{}, _0{}))),
+       cta_y.partition_D(sdO));
+
+  RingState<Traits::kStages> ring;
+  for (int i = 0; i < n; ++i) {
+    const KeyBlock kb = visit.block(i);
+    const int s = ring.stage;
+    Barrier::wait(&st.empty[s], ring.phase ^ 1u);
+    Barrier::arrive_and_expect_tx(&st.full[s], 2 * Traits::kColsBytes);
+    const int krow = k_base + static_cast<int>(kb.start);
+    copy(p.tma_u.with(st.full[s]),
+         cta_u.partition_S(local_tile(domain_offset(make_coord(krow, _0{}), mK(_, _, hk, tb)),
+                                      Shape<Int<C>, Int<D>>{}, make_coord(_0{}, _0{}))),
+         cta_u.partition_D(sK(_, _, s)));
+    copy(p.tma_w.with(st.full[s]),
+         cta_w.partition_S(local_tile(domain_offset(make_coord(krow, _0{}), mV(_, _, hk, tb)),
+                                      Shape<Int<C>, Int<D>>{}, make_coord(_0{}, _0{}))),
+         cta_w.partition_D(sV(_, _, s)));
+    ring.advance();
+  }
+}
+
+// tid: the thread's index among the consumer threads (0 .. 255).
+template <class Traits, class Visit>
+__device__ __forceinline__ void dq_consumer(const BwdKernelParams<Traits>& p,
+                                            typename Traits::SharedStorage& st,
+                                            const cuda_common::Sequence& seq, const Visit& visit,
+                                            int n, int h, std::int64_t q0, int tid) {
+  using namespace cute;
+  using Element = typename Traits::Element;
+  constexpr int D = Traits::kHeadDim, R = Traits::kRows, C = Traits::kCols;
+  const cuda_common::AttentionParams& a = p.attn;
+  typename Traits::MmaSS mma_ss;
+  typename Traits::MmaRS mma_rs;
+  const int wg = warp_uniform(tid / 128);
+  auto wg_ss = mma_ss.get_thread_slice(wg * 128);
+  auto wg_rs = mma_rs.get_thread_slice(wg * 128);
+  auto thr_ss = mma_ss.get_thread_slice(tid);
+  auto thr_rs = mma_rs.get_thread_slice(tid);
+  Tensor sQ = make_tensor(make_smem_ptr(st.x.data()), typename Traits::SmemLayoutRows{});
+  Tensor sdO = make_tensor(make_smem_ptr(st.y.data()), typename Traits::SmemLayoutRows{});
+  Tensor sK = make_tensor(make_smem_ptr(st.u.data()), typename Traits::SmemLayoutCols{});
+  Tensor sV = make_tensor(make_smem_ptr(st.w.data()), typename Traits::SmemLayoutCols{});
+  Tensor sKt = make_tensor(make_smem_ptr(st.u.data()), typename Traits::SmemLayoutColsT{});
+  Tensor tSrQ = wg_ss.partition_fragment_A(sQ);
+  Tensor tSrK = wg_ss.partition_fragment_B(sK);     // (mma, n, k, stage)
+  Tensor tdPrdO = wg_ss.partition_fragment_A(sdO);
+  Tensor tdPrV = wg_ss.partition_fragment_B(sV);
+  Tensor tdQrK = wg_rs.partition_fragment_B(sKt);   // (mma, d, keys, stage)
+  Tensor tSrS = partition_fragment_C(mma_ss, Shape<Int<R>, Int<C>>{});
+  Tensor tdPrdP = partition_fragment_C(mma_ss, Shape<Int<R>, Int<C>>{});
+  Tensor tdQrdQ = partition_fragment_C(mma_rs, Shape<Int<R>, Int<D>>{});
+  Tensor tScS = thr_ss.partition_C(make_identity_tensor(Shape<Int<R>, Int<C>>{}));
+  Tensor tdQcdQ = thr_rs.partition_C(make_identity_tensor(Shape<Int<R>, Int<D>>{}));
+  Tensor tdSrdS = make_tensor<Element>(typename Traits::OperandLayout{});
+  Tensor tdSrdS32 = recast<uint32_t>(tdSrdS);
+  constexpr int kVals = decltype(size(tSrS))::value;
+  clear(tdQrdQ);
+  const float scale_log2 = a.scale * cuda_common::kLog2e;
+  // The thread's two query rows (value v is in row 2 ((v / 2) % 2) of its pair).
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const std::int64_t o = p.stats.offset(seq.batch, h, a.heads_q, q0 + get<0>(tScS(2 * r)));
+    lse2[r] = p.stats.lse2[o];
+    delta[r] = p.stats.delta[o];
+  }
+
+  if (n > 0) Barrier::wait(&st.rows_full, 0);
+  RingState<Traits::kStages> ring;
+  for (int i = 0; i < n; ++i) {
+    KeyBlock kb = visit.block(i);
+    if constexpr (Visit::kKeyFlags) kb.key_flags = visit.lane_key_flags(kb.start);
+    const int s = warp_uniform(ring.stage);
+    Barrier::wait(&st.full[s], ring.phase);
+    warpgroup_gemm(mma_ss, tSrQ, tSrK(_, _, _, s), tSrS, true);
+    warpgroup_gemm(mma_ss, tdPrdO, tdPrV(_, _, _, s), tdPrdP, true);
+    warpgroup_wait<1>();  // S is ready; dP may still run
+    warpgroup_fence_operand(tSrS);
+    if (kb.needs_mask) apply_mask(tSrS, tScS, visit, kb, q0);
+#pragma unroll
+    for (int v = 0; v < kVals; ++v)
+      tSrS(v) = cuda_common::exp2_approx(fmaf(tSrS(v), scale_log2, -lse2[(v >> 1) & 1]));
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tdPrdP);
+#pragma unroll
+    for (int w = 0; w < kVals / 2; ++w) {
+      const int r = w & 1;  // values 2w and 2w + 1 share row (w % 2)
+      tdSrdS32(w) = pack_pair<Element>(tSrS(2 * w) * (tdPrdP(2 * w) - delta[r]),
+                                       tSrS(2 * w + 1) * (tdPrdP(2 * w + 1) - delta[r]));
+    }
+    warpgroup_fence_operand(tdSrdS);
+    warpgroup_gemm(mma_rs, tdSrdS, tdQrK(_, _, _, s), tdQrdQ, false);
+    warpgroup_wait<0>();
+    warpgroup_fence_operand(tdQrdQ);
+    Barrier::arrive(&st.empty[s]);
+    ring.advance();
+  }
+
+  auto* dq = static_cast<std::uint16_t*>(a.dq) +
+             cuda_common::q_side_offset(a, a.dq_strides, seq, q0, h);
+  store_gradient_rows<Element>(dq, a.dq_strides.row, tdQrdQ, tdQcdQ, a.scale, seq.len_q - q0,
+                               a.out_aligned4, [](int) { return false; });
+}
+
+}  // namespace vidattn::cuda_sm90

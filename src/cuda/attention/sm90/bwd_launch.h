@@ -1,0 +1,25 @@
+// Launchers of the sm_90a (Hopper) attention backward. One explicit instantiation per
+// (dtype, head dim, variant) lives in its own generated .cu under instances/
+// (tools/codegen/gen_sm90_instances.py). This header is CuTe-free: the host dispatch
+// (dispatch/attention.cu) includes it.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "fwd_params.h"
+
+namespace vidattn::cuda_sm90 {
+
+// T is __nv_bfloat16 or __half, D is 64 or 128. Returns false, launching nothing, when this
+// build holds no sm_90a code for the kernels (the caller then takes the portable path).
+// Asynchronous on `stream`; throws std::runtime_error when a launch fails or no workspace can
+// be had.
+//
+// Dense (batched or varlen, padding masks, causal, GQA), deterministic. Preconditions the
+// caller checks (sm90_dense_fits in dispatch/attention.cu): q, k, v, out, grad_out rows
+// 16-byte aligned with strides that are multiples of 8 elements, Sq > 0, Sk > 0, scale > 0;
+// p.grad_out, p.dq, p.dk, p.dv and their strides set (p.delta is not used).
+template <class T, int D>
+bool launch_dense_backward(const AttentionParams& p, cudaStream_t stream);
+
+}  // namespace vidattn::cuda_sm90

@@ -1,0 +1,105 @@
+// Compile-time shape of the sm_90a backward kernels (bwd_kernels.h). Both kernels have the
+// same skeleton, one producer warpgroup and two consumer warpgroups:
+//   * a stationary tile of kRows = 128 rows (64 per consumer warpgroup) of two tensors, loaded
+//     once: K and V for the dK / dV kernel, Q and dO for the dQ kernel;
+//   * a ring of kStages slots through which 64-row tiles of the two other tensors stream:
+//     Q and dO (with their rows' LSE and row sums) for dK / dV, K and V for dQ.
+// With A the stationary pair (X, Y) and B the streamed pair (U, W), every step runs
+//   S = X U^T and dP = Y W^T (wgmma, both operands in shared memory: MmaSS),
+//   P and dS = P (dP - delta) in registers,
+//   and one or two products with P or dS as the register operand and a streamed tile seen
+//   transposed (MmaRS): dV += P^T dO and dK += dS^T Q, or dQ += dS K.
+// So the two kernels share one tile vocabulary: the dK / dV kernel computes S^T (keys as rows),
+// the dQ kernel S (queries as rows).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include <cute/tensor.hpp>
+#include <cute/arch/copy_sm90_tma.hpp>
+#include <cute/atom/copy_traits_sm90_tma.hpp>
+#include <cute/atom/mma_traits_sm90_gmma.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cutlass/numeric_types.h>
+
+namespace vidattn::cuda_sm90 {
+
+template <class Element_, int kHeadDim_>
+struct BwdTraits {
+  using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kConsumerWGs = 2;
+  static constexpr int kRows = 64 * kConsumerWGs;  // stationary rows per CTA
+  static constexpr int kCols = 64;                 // rows of one streamed tile
+  static constexpr int kStages = 2;
+  static constexpr int kThreads = 128 * (1 + kConsumerWGs);
+  // 24 + 2 x 240 registers: exactly the launch allocation of 384 threads at 168 (64512).
+  // The dK / dV consumers hold dK and dV (2 x D / 2 fp32 values per thread), S and dP (32 each)
+  // and the 16-bit P and dS operands (16 words each).
+  static constexpr int kProducerRegs = 24;
+  static constexpr int kConsumerRegs = 240;
+  static_assert(kHeadDim == 64 || kHeadDim == 128);
+
+  // K-major (head dim contiguous) tiles with the 128-byte swizzle atom, as TMA writes them.
+  using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  using SmemLayoutRows = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kRows>, cute::Int<kHeadDim>>{}));
+  using SmemLayoutCols = decltype(cute::tile_to_shape(
+      SmemAtom{}, cute::Shape<cute::Int<kCols>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+  // A streamed tile seen as the B operand of the register-operand products: (head dim, rows),
+  // head dim contiguous (MN-major). A view of the same bytes.
+  using SmemLayoutColsT = decltype(cute::composition(
+      SmemLayoutCols{},
+      cute::make_ordered_layout(
+          cute::Shape<cute::Int<kHeadDim>, cute::Int<kCols>, cute::Int<kStages>>{},
+          cute::Step<cute::_2, cute::_1, cute::_3>{})));
+
+  using WGLayout = cute::Layout<cute::Shape<cute::Int<kConsumerWGs>, cute::_1, cute::_1>>;
+  using MmaSS = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kRows>, cute::Int<kCols>,
+                                             cute::Int<kHeadDim>>>(),
+      WGLayout{}));
+  using MmaRS = decltype(cute::make_tiled_mma(
+      cute::GMMA::rs_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kRows>, cute::Int<kHeadDim>,
+                                             cute::Int<kCols>>,
+                                 cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
+      WGLayout{}));
+  // P or dS as the A operand of MmaRS: the accumulator's value order, k-blocks of 16.
+  using OperandLayout =
+      cute::Layout<cute::Shape<cute::Shape<cute::_2, cute::_2, cute::_2>, cute::_1,
+                               cute::Int<kCols / 16>>>;
+
+  // Global tensors as TMA sees them: (rows, head dim, heads, batch), 64-bit strides.
+  using GmemLayout =
+      cute::Layout<cute::Shape<int32_t, cute::Int<kHeadDim>, int32_t, int32_t>,
+                   cute::Stride<int64_t, cute::_1, int64_t, int64_t>>;
+  using GmemTensor = decltype(cute::make_tensor(
+      cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}));
+  using TmaRows = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
+                                               SmemLayoutRows{}));
+  using TmaCols = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
+                                               cute::take<0, 2>(SmemLayoutCols{})));
+  static constexpr uint32_t kRowsBytes = kRows * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kColsBytes = kCols * kHeadDim * sizeof(Element);
+  static constexpr uint32_t kStatsBytes = kCols * sizeof(float);
+
+  struct SharedStorage {
+    // 1024-byte alignment: the swizzle pattern repeats every 1024 bytes, and TMA and wgmma
+    // must agree on where it starts.
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutRows>, 1024> x, y;
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutCols>, 1024> u, w;
+    // dK / dV kernel: the streamed query rows' LSE (log2 units) and row sums.
+    alignas(16) float lse2[kStages][kCols];
+    alignas(16) float delta[kStages][kCols];
+    uint64_t rows_full;
+    uint64_t full[kStages], empty[kStages];
+  };
+  static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual alignment
+};
+
+}  // namespace vidattn::cuda_sm90

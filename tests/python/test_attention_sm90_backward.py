@@ -1,0 +1,145 @@
+"""The sm_90a (Hopper) dense backward: on an sm_90 GPU the dense backward must take it (checked
+with the launch counter torch.ops.vidattn._sm90_backward_launches, a test hook of
+VIDATTN_TESTING builds), its gradients must match the float64 reference by the rule of
+docs/conventions.md on NaN-poisoned outputs, and reruns must give the same bits. The generic
+CUDA tests (test_attention_cuda.py) run through it too on such a GPU; the shapes here add many
+key and query blocks, groups of query heads per key head, and partial tiles of both kernels
+(128 stationary rows, 64-row streamed blocks). Skipped on other GPUs."""
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+import vidattn
+from cuda_poison import poison_allocator
+from test_attention_cuda import check_rule, cu, gen, grad_term_sizes, randn, reference, \
+    run_and_check
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+    reason="needs an sm_90 GPU")
+
+DEV = "cuda"
+
+
+def launches() -> int:
+    return torch.ops.vidattn._sm90_backward_launches()
+
+
+def takes_sm90_backward(fn) -> None:
+    before = launches()
+    fn()
+    torch.cuda.synchronize()
+    assert launches() > before, "the sm90 backward did not run"
+
+
+CASES = [  # B, Sq, Sk, Hq, Hkv, D, dtype, causal
+    (2, 1500, 1500, 8, 8, 128, torch.bfloat16, False),
+    (2, 1500, 1500, 8, 2, 128, torch.bfloat16, True),
+    (1, 700, 2100, 6, 3, 64, torch.float16, False),
+    (1, 2100, 700, 6, 6, 64, torch.bfloat16, True),
+    (3, 257, 129, 5, 5, 128, torch.float16, True),
+    (1, 77, 300, 4, 1, 128, torch.bfloat16, False),
+    (1, 1, 1000, 2, 1, 64, torch.float16, True),
+    (1, 1000, 1, 2, 2, 128, torch.bfloat16, False),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_Sq{}_Sk{}_H{}x{}_D{}_{}_{}".format(
+    *c[:6], str(c[6])[6:], "causal" if c[7] else "full"))
+@pytest.mark.parametrize("input_scale", [1.0, 16.0])
+def test_sm90_backward_matches_reference(case, input_scale):
+    B, Sq, Sk, Hq, Hkv, D, dtype, causal = case
+    seed = zlib.crc32(repr((case, input_scale, "bwd")).encode())
+    g = gen(seed)
+    q = randn((B, Sq, Hq, D), dtype, g, input_scale)
+    k = randn((B, Sk, Hkv, D), dtype, g, input_scale)
+    v = randn((B, Sk, Hkv, D), dtype, g)
+    takes_sm90_backward(lambda: run_and_check(q, k, v, causal=causal, seed=seed))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_backward_padding_masks(D, causal):
+    g = gen(6000 + D + int(causal))
+    B, Sq, Sk, Hq, Hkv = 3, 300, 450, 4, 2
+    q = randn((B, Sq, Hq, D), torch.bfloat16, g, 4.0)
+    k = randn((B, Sk, Hkv, D), torch.bfloat16, g, 4.0)
+    v = randn((B, Sk, Hkv, D), torch.bfloat16, g)
+    kmask = torch.rand((B, Sk), generator=g, device=DEV) > 0.3
+    qmask = torch.rand((B, Sq), generator=g, device=DEV) > 0.2
+    kmask[1] = False  # every query of this entry sees nothing
+    kmask[2, :] = True
+    takes_sm90_backward(lambda: run_and_check(q, k, v, causal=causal, kmask=kmask, qmask=qmask,
+                                              seed=D))
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_backward_varlen_with_empty_sequences(D, causal):
+    g = gen(6100 + D + int(causal))
+    lq = [5, 0, 300, 1, 129, 64, 3]
+    lk = [7, 3, 0, 1, 200, 400, 65]
+    Hq, Hkv = 4, 2
+    dtype = torch.float16
+    q = randn((sum(lq), Hq, D), dtype, g, 4.0)
+    k = randn((sum(lk), Hkv, D), dtype, g, 4.0)
+    v = randn((sum(lk), Hkv, D), dtype, g)
+    gout = randn((sum(lq), Hq, D), dtype, g)
+    qk = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = vidattn.attention_varlen(*qk, cu(lq), cu(lk), max(lq), max(lk), causal=causal)
+    poison_allocator(q.numel() * 8 + (1 << 20))
+    before = launches()
+    dq, dk, dv = torch.autograd.grad(out, qk, gout)
+    torch.cuda.synchronize()
+    assert launches() > before, "the sm90 backward did not run"
+    for t in (dq, dk, dv):
+        assert torch.isfinite(t).all()
+    sc = 1.0 / math.sqrt(D)
+    oq = ok = 0
+    for a, b in zip(lq, lk):
+        sl_q, sl_k = slice(oq, oq + a), slice(ok, ok + b)
+        oq, ok = oq + a, ok + b
+        parts = [t[s][None] for t, s in ((q, sl_q), (k, sl_k), (v, sl_k))]
+        p64 = [t.double().requires_grad_() for t in parts]
+        pl = [t.clone().requires_grad_() for t in parts]
+        r, _ = reference(*p64, sc, causal)
+        lo, _ = reference(*pl, sc, causal)
+        got = (dq[sl_q][None], dk[sl_k][None], dv[sl_k][None])
+        if a == 0:  # keys nobody looks at take no gradient
+            assert (got[1] == 0).all() and (got[2] == 0).all()
+            continue
+        go = gout[sl_q][None]
+        d64 = torch.autograd.grad(r, p64, go.double(), allow_unused=True)
+        dl = torch.autograd.grad(lo, pl, go, allow_unused=True)
+        terms = grad_term_sizes(*parts, go, sc)
+        for name, gt, rr, l, f, t in zip(("dq", "dk", "dv"), got, d64, dl, (3.0, 2.0, 2.0),
+                                         terms):
+            if rr is None:  # an empty side
+                assert gt.numel() == 0 or (gt == 0).all()
+                continue
+            check_rule(name, gt, rr, l, dtype, f, t)
+
+
+def test_sm90_backward_is_deterministic_over_50_runs():
+    g = gen(6200)
+    B, Sq, Sk, Hq, Hkv, D = 1, 1100, 1300, 8, 2, 128
+    q = randn((B, Sq, Hq, D), torch.bfloat16, g, 4.0).requires_grad_()
+    k = randn((B, Sk, Hkv, D), torch.bfloat16, g, 4.0).requires_grad_()
+    v = randn((B, Sk, Hkv, D), torch.bfloat16, g).requires_grad_()
+    gout = randn((B, Sq, Hq, D), torch.bfloat16, g)
+    out = vidattn.attention(q, k, v, causal=True)
+    first = None
+    before = launches()
+    for _ in range(50):
+        grads = torch.autograd.grad(out, (q, k, v), gout, retain_graph=True)
+        if first is None:
+            first = [t.clone() for t in grads]
+        else:
+            for a, b in zip(first, grads):
+                assert torch.equal(a, b)
+    torch.cuda.synchronize()
+    assert launches() >= before + 50
