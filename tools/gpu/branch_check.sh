@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One GPU-machine call for a branch whose op library is built nowhere else yet: builds this
+# tree's library (tools/gpu/build_ops.sh, CUTLASS from the carried .whl wheels), then runs the
+# named test files and one bench mode with it. Run from the tree (e.g. a git archive of the
+# branch carried to the GPU machine and extracted there, with .whl linked beside it).
+#
+#   OUT=$OUT PYTEST_PATHS="tests/python/test_a.py ..." BENCH="dense --shapes 1,39936,12,128" \
+#     CMAKE_ARGS="-DVIDATTN_CUDA_TARGETS=90a" bash tools/gpu/branch_check.sh
+#
+# PYTEST_TIMEOUT (s, 240), BENCH_TIMEOUT (s, 150), JOBS (nproc). Prints the build time, the
+# pytest summary and failures, and the bench table; logs and the bench JSON land in OUT.
+set -uo pipefail
+cd "$(dirname "$0")/../.." || exit 1
+OUT=${OUT:-$(pwd)/branch-check}
+mkdir -p "$OUT"
+t0=$SECONDS
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/vidattn-site .whl/*.whl && export PYTHONPATH=/tmp/vidattn-site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! bash tools/gpu/build_ops.sh . build/branch "${JOBS:-$(nproc)}" >"$OUT/build.log" 2>&1; then
+  grep -E "error|Error" "$OUT/build.log" | head -n 30
+  echo "build failed at $((SECONDS - t0))s"
+  exit 1
+fi
+echo "build done at $((SECONDS - t0))s"
+cp build/branch/_vidattn_ops.so python/vidattn/
+export PYTHONPATH=$(pwd)/python${PYTHONPATH:+:$PYTHONPATH}
+if [ -n "${PYTEST_PATHS:-}" ]; then
+  timeout "${PYTEST_TIMEOUT:-240}" python3 -m pytest $PYTEST_PATHS -q -rfE -p no:cacheprovider \
+    >"$OUT/pytest.log" 2>&1
+  echo "pytest rc=$? at $((SECONDS - t0))s: $(tail -n 1 "$OUT/pytest.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -n 30
+fi
+if [ -n "${BENCH:-}" ]; then
+  timeout "${BENCH_TIMEOUT:-150}" python3 -m vidattn.bench $BENCH --out "$OUT/bench.json" \
+    >"$OUT/bench.log" 2>&1
+  echo "bench rc=$? at $((SECONDS - t0))s"
+  grep -v '^{' "$OUT/bench.log" | tail -n 25
+fi
