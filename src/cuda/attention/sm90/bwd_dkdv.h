@@ -74,7 +74,7 @@ __device__ __forceinline__ void dkdv_producer(const BwdKernelParams<Traits>& p,
          cta_w.partition_S(local_tile(domain_offset(make_coord(qrow, _0{}), mdO(_, _, qb.head, tb)),
                                       Shape<Int<C>, Int<D>>{}, make_coord(_0{}, _0{}))),
          cta_w.partition_D(sdO(_, _, s)));
-    const std::int64_t stats = p.stats.offset(seq.batch, qb.head, a.heads_q, qb.q0);
+    const std::int64_t stats = p.stats.offset(blockIdx.z, qb.head, a.heads_q, qb.q0);
     SM90_BULK_COPY_G2S::copy(p.stats.lse2 + stats, &st.full[s], st.lse2[s],
                              Traits::kStatsBytes);
     SM90_BULK_COPY_G2S::copy(p.stats.delta + stats, &st.full[s], st.delta[s],

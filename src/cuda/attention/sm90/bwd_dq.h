@@ -119,7 +119,7 @@ __device__ __forceinline__ void dq_consumer(const BwdKernelParams<Traits>& p,
   float lse2[2], delta[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const std::int64_t o = p.stats.offset(seq.batch, h, a.heads_q, q0 + get<0>(tScS(2 * r)));
+    const std::int64_t o = p.stats.offset(blockIdx.z, h, a.heads_q, q0 + get<0>(tScS(2 * r)));
     lse2[r] = p.stats.lse2[o];
     delta[r] = p.stats.delta[o];
   }

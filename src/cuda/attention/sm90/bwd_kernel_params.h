@@ -16,6 +16,8 @@ namespace vidattn::cuda_sm90 {
 //   lse2:  LSE * log2(e), or +inf where the row takes no gradient (padded, masked, past the
 //          sequence, or it saw no key): P = exp2(s * scale * log2(e) - lse2) is then 0;
 //   delta: rowsum(dO * O), 0 on those rows.
+// Indexed by the sequence's index b (blockIdx.z of the main kernels), not Sequence::batch,
+// which is 0 for every varlen sequence.
 struct BwdRowStats {
   float* lse2 = nullptr;
   float* delta = nullptr;
