@@ -143,3 +143,27 @@ def test_sm90_backward_is_deterministic_over_50_runs():
                 assert torch.equal(a, b)
     torch.cuda.synchronize()
     assert launches() >= before + 50
+
+
+# ---- block-sparse ---------------------------------------------------------------------------
+# test_block_sparse_cuda.py's reference check (partial query and key tiles, a 0-token key tile,
+# a query tile that selected nothing, grouped heads, tiles of 64 / 128 / 256 tokens, input
+# scales to 16, dead rows with zero dQ, unselected key tiles with zero dK / dV), here with
+# the launch counter: each case must take the sm90 backward. The larger cases give long k2q
+# lists and an odd number of 64-token key tiles (the last CTA's second stream has none).
+from test_block_sparse_cuda import CASES as SPARSE_CASES  # noqa: E402
+from test_block_sparse_cuda import \
+    test_block_sparse_cuda_matches_float64_reference as sparse_reference_check  # noqa: E402
+
+LARGE_SPARSE_CASES = [  # dtype, V, B, Hq, Hkv, D, Qt, Kt, MaxK, input scale
+    (torch.bfloat16, 64, 1, 4, 2, 128, 33, 33, 12, 4.0),
+    (torch.float16, 64, 2, 2, 2, 64, 20, 31, 9, 16.0),
+    (torch.bfloat16, 128, 1, 3, 1, 128, 17, 15, 6, 1.0),
+]
+
+
+@pytest.mark.parametrize("case", SPARSE_CASES + LARGE_SPARSE_CASES,
+                         ids=lambda c: "{}_V{}_B{}_H{}x{}_D{}_Qt{}_Kt{}_K{}_s{}".format(
+                             str(c[0])[6:], *c[1:]))
+def test_sm90_block_sparse_backward_matches_reference(case):
+    takes_sm90_backward(lambda: sparse_reference_check(case))

@@ -9,6 +9,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <optional>
 #include <utility>
 
@@ -16,6 +17,7 @@
 #include "core/check.h"
 #include "core/vsa_backends.h"
 #include "cuda/attention/sm80/launch.h"
+#include "cuda/attention/sm90/bwd_launch.h"
 #include "cuda/attention/sm90/fwd_launch.h"
 #include "cuda/common/device_guard.h"
 #include "cuda/common/dtype_dispatch.h"
@@ -83,6 +85,45 @@ const TensorView* optional_view(const std::optional<TensorView>& t) {
   return t ? &*t : nullptr;
 }
 
+#ifdef VIDATTN_WITH_CUTLASS
+// Whether the sm_90a kernels (forward or backward) can take this problem and these views (TMA
+// reads every tile, the key lists are read with unit strides); they also need sm_90a code in
+// this build, which the launchers answer.
+bool sm90_sparse_fits(const BlockSparseProblem& p, const TensorView& q2k_index,
+                      const BlockSparseOptions& o, std::initializer_list<const TensorView*> tiles) {
+  if (p.head_dim != p.head_dim_v || p.batch * p.seqlen_q > INT32_MAX ||
+      p.batch * p.seqlen_k > INT32_MAX)
+    return false;
+  if (p.max_k > 1 && q2k_index.stride[3] != 1) return false;
+  if (o.kv_block_sizes && p.kv_tiles > 1 && o.kv_block_sizes->stride[0] != 1) return false;
+  if (!cuda_dispatch::sm90_path_enabled(p.device.index) || p.seqlen_k == 0) return false;
+  for (const TensorView* t : tiles)
+    if (!cuda_dispatch::tma_compatible(*t)) return false;
+  return p.scale > 0.0;
+}
+
+// The q2k lists as the sm_90a kernels read them.
+cuda_sm90::SparseKeyListArgs sm90_key_lists(const BlockSparseProblem& p,
+                                            const TensorView& q2k_index,
+                                            const TensorView& q2k_count,
+                                            const BlockSparseOptions& o) {
+  cuda_sm90::SparseKeyListArgs s;
+  s.q2k_index = static_cast<const std::int32_t*>(q2k_index.data);
+  s.index_batch = q2k_index.stride[0], s.index_head = q2k_index.stride[1];
+  s.index_tile = q2k_index.stride[2];
+  s.q2k_count = static_cast<const std::int32_t*>(q2k_count.data);
+  s.count_batch = q2k_count.stride[0], s.count_head = q2k_count.stride[1];
+  s.count_tile = q2k_count.stride[2];
+  s.kv_block_sizes =
+      o.kv_block_sizes ? static_cast<const std::int32_t*>(o.kv_block_sizes->data) : nullptr;
+  s.tile_volume = static_cast<int>(p.tile_volume);
+  s.max_k = static_cast<int>(p.max_k);
+  s.q_tiles = static_cast<int>(p.q_tiles);
+  s.kv_tiles = static_cast<int>(p.kv_tiles);
+  return s;
+}
+#endif
+
 // The sm_90a forward (attention/sm90) when this device, build and layout allow it; with
 // `combine`, its fused-combination kernel when that one can run. Returns whether it launched.
 // The arguments were validated by the core; this only decides whether the kernels can take
@@ -93,15 +134,7 @@ bool try_sm90_forward(const BlockSparseProblem& p, const TensorView& q, const Te
                       const BlockSparseOptions& o, cudaStream_t stream,
                       const detail::CombineViews* combine = nullptr) {
 #ifdef VIDATTN_WITH_CUTLASS
-  if (p.head_dim != p.head_dim_v || p.batch * p.seqlen_q > INT32_MAX ||
-      p.batch * p.seqlen_k > INT32_MAX)
-    return false;
-  if (p.max_k > 1 && q2k_index.stride[3] != 1) return false;
-  if (o.kv_block_sizes && p.kv_tiles > 1 && o.kv_block_sizes->stride[0] != 1) return false;
-  if (!cuda_dispatch::sm90_path_enabled(p.device.index) || p.seqlen_k == 0) return false;
-  for (const TensorView* t : {&q, &k, &v, &out})
-    if (!cuda_dispatch::tma_compatible(*t)) return false;
-  if (!(p.scale > 0.0)) return false;
+  if (!sm90_sparse_fits(p, q2k_index, o, {&q, &k, &v, &out})) return false;
   cuda_sm90::CombineArgs combine_args;
   if (combine) {  // the fused kernel: 64-token tiles, views it addresses in 16-byte chunks
     if (p.tile_volume != 64) return false;
@@ -130,20 +163,7 @@ bool try_sm90_forward(const BlockSparseProblem& p, const TensorView& q, const Te
     kp.q_block_sizes_stride = o.q_block_sizes->stride[0];
   }
   kp.sm_margin = o.sm_margin;
-
-  cuda_sm90::SparseKeyListArgs s;
-  s.q2k_index = static_cast<const std::int32_t*>(q2k_index.data);
-  s.index_batch = q2k_index.stride[0], s.index_head = q2k_index.stride[1];
-  s.index_tile = q2k_index.stride[2];
-  s.q2k_count = static_cast<const std::int32_t*>(q2k_count.data);
-  s.count_batch = q2k_count.stride[0], s.count_head = q2k_count.stride[1];
-  s.count_tile = q2k_count.stride[2];
-  s.kv_block_sizes =
-      o.kv_block_sizes ? static_cast<const std::int32_t*>(o.kv_block_sizes->data) : nullptr;
-  s.tile_volume = static_cast<int>(p.tile_volume);
-  s.max_k = static_cast<int>(p.max_k);
-  s.q_tiles = static_cast<int>(p.q_tiles);
-  s.kv_tiles = static_cast<int>(p.kv_tiles);
+  const cuda_sm90::SparseKeyListArgs s = sm90_key_lists(p, q2k_index, q2k_count, o);
 
   bool launched = false;
   dispatch_dtype_head_dim(p.dtype, p.head_dim, [&](auto t, auto d) {
@@ -218,6 +238,16 @@ void cuda_block_sparse_backward(const BlockSparseProblem& p, const TensorView& q
     kp.k2q_offsets_strides[d] = k2q_offsets.stride[d];
     kp.k2q_index_strides[d] = k2q_index.stride[d];
   }
+#ifdef VIDATTN_WITH_CUTLASS
+  if (sm90_sparse_fits(p, q2k_index, o, {&q, &k, &v, &out, &grad_out})) {
+    const cuda_sm90::SparseKeyListArgs s = sm90_key_lists(p, q2k_index, q2k_count, o);
+    bool launched = false;
+    dispatch_dtype_head_dim(p.dtype, p.head_dim, [&](auto t, auto d) {
+      launched = cuda_sm90::launch_sparse_backward<decltype(t), decltype(d)::value>(kp, s, stream);
+    });
+    if (launched) return;
+  }
+#endif
 
   // rowsum(dO * O) workspace, stream-ordered (capturable).
   const cuda_common::DeviceWorkspace delta(

@@ -22,31 +22,23 @@
 
 namespace vidattn::cuda_sm90 {
 
-template <class Traits, class Visit>
-__device__ __forceinline__ void dkdv_producer(const BwdKernelParams<Traits>& p,
-                                              typename Traits::SharedStorage& st,
-                                              const cuda_common::Sequence& seq,
-                                              const Visit& visit, int n, int hk,
-                                              std::int64_t k0) {
+// K and V of the CTA's kRows keys, once (producer warp 0).
+template <class Traits>
+__device__ __forceinline__ void dkdv_load_stationary(const BwdKernelParams<Traits>& p,
+                                                     typename Traits::SharedStorage& st,
+                                                     const cuda_common::Sequence& seq, int hk,
+                                                     std::int64_t k0) {
   using namespace cute;
-  constexpr int D = Traits::kHeadDim, R = Traits::kRows, C = Traits::kCols;
+  constexpr int D = Traits::kHeadDim, R = Traits::kRows;
   const cuda_common::AttentionParams& a = p.attn;
   const int tb = a.varlen ? 0 : static_cast<int>(seq.batch);
-  const int q_base = static_cast<int>(a.varlen ? seq.first_q : 0);
   const int k_base = static_cast<int>(a.varlen ? seq.first_k : 0);
   Tensor mK = p.tma_x.get_tma_tensor(make_shape(p.kv_rows, Int<D>{}, a.heads_kv, p.tma_batch));
   Tensor mV = p.tma_y.get_tma_tensor(make_shape(p.kv_rows, Int<D>{}, a.heads_kv, p.tma_batch));
-  Tensor mQ = p.tma_u.get_tma_tensor(make_shape(p.q_rows, Int<D>{}, a.heads_q, p.tma_batch));
-  Tensor mdO = p.tma_w.get_tma_tensor(make_shape(p.q_rows, Int<D>{}, a.heads_q, p.tma_batch));
   Tensor sK = make_tensor(make_smem_ptr(st.x.data()), typename Traits::SmemLayoutRows{});
   Tensor sV = make_tensor(make_smem_ptr(st.y.data()), typename Traits::SmemLayoutRows{});
-  Tensor sQ = make_tensor(make_smem_ptr(st.u.data()), typename Traits::SmemLayoutCols{});
-  Tensor sdO = make_tensor(make_smem_ptr(st.w.data()), typename Traits::SmemLayoutCols{});
   auto cta_x = p.tma_x.get_slice(_0{});
   auto cta_y = p.tma_y.get_slice(_0{});
-  auto cta_u = p.tma_u.get_slice(_0{});
-  auto cta_w = p.tma_w.get_slice(_0{});
-
   Barrier::arrive_and_expect_tx(&st.rows_full, 2 * Traits::kRowsBytes);
   const int krow = k_base + static_cast<int>(k0);
   copy(p.tma_x.with(st.rows_full),
@@ -57,11 +49,30 @@ __device__ __forceinline__ void dkdv_producer(const BwdKernelParams<Traits>& p,
        cta_y.partition_S(local_tile(domain_offset(make_coord(krow, _0{}), mV(_, _, hk, tb)),
                                     Shape<Int<R>, Int<D>>{}, make_coord(_0{}, _0{}))),
        cta_y.partition_D(sV));
+}
 
+// One stream's ring: Q, dO and the rows' statistics of each query block its visit names.
+template <class Traits, class Visit>
+__device__ __forceinline__ void dkdv_producer(const BwdKernelParams<Traits>& p,
+                                              typename Traits::SharedStorage& st,
+                                              const cuda_common::Sequence& seq, Visit visit,
+                                              int stream) {
+  using namespace cute;
+  constexpr int D = Traits::kHeadDim, C = Traits::kCols;
+  const cuda_common::AttentionParams& a = p.attn;
+  const int tb = a.varlen ? 0 : static_cast<int>(seq.batch);
+  const int q_base = static_cast<int>(a.varlen ? seq.first_q : 0);
+  Tensor mQ = p.tma_u.get_tma_tensor(make_shape(p.q_rows, Int<D>{}, a.heads_q, p.tma_batch));
+  Tensor mdO = p.tma_w.get_tma_tensor(make_shape(p.q_rows, Int<D>{}, a.heads_q, p.tma_batch));
+  Tensor sQ = make_tensor(make_smem_ptr(st.u.data()), typename Traits::SmemLayoutCols{});
+  Tensor sdO = make_tensor(make_smem_ptr(st.w.data()), typename Traits::SmemLayoutCols{});
+  auto cta_u = p.tma_u.get_slice(_0{});
+  auto cta_w = p.tma_w.get_slice(_0{});
+  const int n = visit.num_blocks();
   RingState<Traits::kStages> ring;
   for (int i = 0; i < n; ++i) {
-    const QueryBlock qb = visit.block(i);
-    const int s = ring.stage;
+    const QueryBlock qb = visit.next();
+    const int s = stream * Traits::kStages + ring.stage;
     Barrier::wait(&st.empty[s], ring.phase ^ 1u);
     Barrier::arrive_and_expect_tx(&st.full[s],
                                   2 * Traits::kColsBytes + 2 * Traits::kStatsBytes);
@@ -84,12 +95,12 @@ __device__ __forceinline__ void dkdv_producer(const BwdKernelParams<Traits>& p,
 }
 
 // tid: the thread's index among the consumer threads (0 .. 255).
+// k0: the CTA's first key; the stream's tile starts at k0 + row0.
 template <class Traits, class Visit>
 __device__ __forceinline__ void dkdv_consumer(const BwdKernelParams<Traits>& p,
                                               typename Traits::SharedStorage& st,
-                                              const cuda_common::Sequence& seq,
-                                              const Visit& visit, int n, int hk,
-                                              std::int64_t k0, int tid) {
+                                              const cuda_common::Sequence& seq, Visit visit,
+                                              int stream, int hk, std::int64_t k0, int tid) {
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int D = Traits::kHeadDim, R = Traits::kRows, C = Traits::kCols;
@@ -129,19 +140,20 @@ __device__ __forceinline__ void dkdv_consumer(const BwdKernelParams<Traits>& p,
   clear(tdVrdV);
   clear(tdKrdK);
   const float scale_log2 = a.scale * cuda_common::kLog2e;
-  const std::int64_t shift = seq.len_k - seq.len_q;
+  const int row0 = stream * Traits::kStreamRows;
 
+  const int n = visit.num_blocks();
   if (n > 0) Barrier::wait(&st.rows_full, 0);
   RingState<Traits::kStages> ring;
   for (int i = 0; i < n; ++i) {
-    const QueryBlock qb = visit.block(i);
-    const int s = warp_uniform(ring.stage);
+    const QueryBlock qb = visit.next();
+    const int s = warp_uniform(stream * Traits::kStages + ring.stage);
     Barrier::wait(&st.full[s], ring.phase);
     warpgroup_gemm(mma_ss, tSrK, tSrQ(_, _, _, s), tSrS, true);
     warpgroup_gemm(mma_ss, tdPrV, tdPrdO(_, _, _, s), tdPrdP, true);
     warpgroup_wait<1>();  // S^T is ready; dP^T may still run
     warpgroup_fence_operand(tSrS);
-    if (qb.needs_mask) apply_causal_mask_keys(tSrS, tScS, k0, qb.q0, shift);
+    if (qb.needs_mask) visit.mask(tSrS, tScS, qb, row0);
     // Value v's column (query) is 8 (v / 4) + 2 (lane % 4) + v % 2: one float2 of each
     // statistic per column pair.
 #pragma unroll
@@ -176,13 +188,10 @@ __device__ __forceinline__ void dkdv_consumer(const BwdKernelParams<Traits>& p,
     ring.advance();
   }
 
-  // dV and scale * dK (S = scale Q K^T) for the tile's keys of this sequence; a key hidden by
-  // the key padding mask takes no gradient.
+  // dV and scale * dK (S = scale Q K^T) for the tile's keys of this sequence; a key the policy
+  // drops (padding) takes no gradient.
   const std::int64_t valid = seq.len_k - k0;
-  auto masked_key = [&](int row) {
-    if (a.key_mask == nullptr) return false;
-    return a.key_mask[seq.batch * a.key_mask_batch + (k0 + row) * a.key_mask_row] == 0;
-  };
+  auto masked_key = [&](int row) { return visit.key_dropped(k0 + row); };
   auto* dv = static_cast<std::uint16_t*>(a.dv) +
              cuda_common::k_side_offset(a, a.dv_strides, seq, k0, hk);
   auto* dk = static_cast<std::uint16_t*>(a.dk) +

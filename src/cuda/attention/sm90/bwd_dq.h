@@ -23,31 +23,23 @@
 
 namespace vidattn::cuda_sm90 {
 
-template <class Traits, class Visit>
-__device__ __forceinline__ void dq_producer(const BwdKernelParams<Traits>& p,
-                                            typename Traits::SharedStorage& st,
-                                            const cuda_common::Sequence& seq, const Visit& visit,
-                                            int n, int h, std::int64_t q0) {
+// Q and dO of the CTA's kRows queries, once (producer warp 0).
+template <class Traits>
+__device__ __forceinline__ void dq_load_stationary(const BwdKernelParams<Traits>& p,
+                                                   typename Traits::SharedStorage& st,
+                                                   const cuda_common::Sequence& seq, int h,
+                                                   std::int64_t q0) {
   using namespace cute;
-  constexpr int D = Traits::kHeadDim, R = Traits::kRows, C = Traits::kCols;
+  constexpr int D = Traits::kHeadDim, R = Traits::kRows;
   const cuda_common::AttentionParams& a = p.attn;
   const int tb = a.varlen ? 0 : static_cast<int>(seq.batch);
   const int q_base = static_cast<int>(a.varlen ? seq.first_q : 0);
-  const int k_base = static_cast<int>(a.varlen ? seq.first_k : 0);
-  const int hk = h / a.group;
   Tensor mQ = p.tma_x.get_tma_tensor(make_shape(p.q_rows, Int<D>{}, a.heads_q, p.tma_batch));
   Tensor mdO = p.tma_y.get_tma_tensor(make_shape(p.q_rows, Int<D>{}, a.heads_q, p.tma_batch));
-  Tensor mK = p.tma_u.get_tma_tensor(make_shape(p.kv_rows, Int<D>{}, a.heads_kv, p.tma_batch));
-  Tensor mV = p.tma_w.get_tma_tensor(make_shape(p.kv_rows, Int<D>{}, a.heads_kv, p.tma_batch));
   Tensor sQ = make_tensor(make_smem_ptr(st.x.data()), typename Traits::SmemLayoutRows{});
   Tensor sdO = make_tensor(make_smem_ptr(st.y.data()), typename Traits::SmemLayoutRows{});
-  Tensor sK = make_tensor(make_smem_ptr(st.u.data()), typename Traits::SmemLayoutCols{});
-  Tensor sV = make_tensor(make_smem_ptr(st.w.data()), typename Traits::SmemLayoutCols{});
   auto cta_x = p.tma_x.get_slice(_0{});
   auto cta_y = p.tma_y.get_slice(_0{});
-  auto cta_u = p.tma_u.get_slice(_0{});
-  auto cta_w = p.tma_w.get_slice(_0{});
-
   Barrier::arrive_and_expect_tx(&st.rows_full, 2 * Traits::kRowsBytes);
   const int qrow = q_base + static_cast<int>(q0);
   copy(p.tma_x.with(st.rows_full),
@@ -58,11 +50,30 @@ __device__ __forceinline__ void dq_producer(const BwdKernelParams<Traits>& p,
        cta_y.partition_S(local_tile(domain_offset(make_coord(qrow, _0{}), mdO(_, _, h, tb)),
                                     Shape<Int<R>, Int<D>>{}, make_coord(_0{}, _0{}))),
        cta_y.partition_D(sdO));
+}
 
+// One stream's ring: K and V of each key block its visit names.
+template <class Traits, class Visit>
+__device__ __forceinline__ void dq_producer(const BwdKernelParams<Traits>& p,
+                                            typename Traits::SharedStorage& st,
+                                            const cuda_common::Sequence& seq, const Visit& visit,
+                                            int n, int h, int stream) {
+  using namespace cute;
+  constexpr int D = Traits::kHeadDim, C = Traits::kCols;
+  const cuda_common::AttentionParams& a = p.attn;
+  const int tb = a.varlen ? 0 : static_cast<int>(seq.batch);
+  const int k_base = static_cast<int>(a.varlen ? seq.first_k : 0);
+  const int hk = h / a.group;
+  Tensor mK = p.tma_u.get_tma_tensor(make_shape(p.kv_rows, Int<D>{}, a.heads_kv, p.tma_batch));
+  Tensor mV = p.tma_w.get_tma_tensor(make_shape(p.kv_rows, Int<D>{}, a.heads_kv, p.tma_batch));
+  Tensor sK = make_tensor(make_smem_ptr(st.u.data()), typename Traits::SmemLayoutCols{});
+  Tensor sV = make_tensor(make_smem_ptr(st.w.data()), typename Traits::SmemLayoutCols{});
+  auto cta_u = p.tma_u.get_slice(_0{});
+  auto cta_w = p.tma_w.get_slice(_0{});
   RingState<Traits::kStages> ring;
   for (int i = 0; i < n; ++i) {
     const KeyBlock kb = visit.block(i);
-    const int s = ring.stage;
+    const int s = stream * Traits::kStages + ring.stage;
     Barrier::wait(&st.empty[s], ring.phase ^ 1u);
     Barrier::arrive_and_expect_tx(&st.full[s], 2 * Traits::kColsBytes);
     const int krow = k_base + static_cast<int>(kb.start);
@@ -79,11 +90,13 @@ __device__ __forceinline__ void dq_producer(const BwdKernelParams<Traits>& p,
 }
 
 // tid: the thread's index among the consumer threads (0 .. 255).
+// q0: the CTA's first query; the stream's rows start at q0 + stream * kStreamRows, which is
+// where its visit starts too.
 template <class Traits, class Visit>
 __device__ __forceinline__ void dq_consumer(const BwdKernelParams<Traits>& p,
                                             typename Traits::SharedStorage& st,
                                             const cuda_common::Sequence& seq, const Visit& visit,
-                                            int n, int h, std::int64_t q0, int tid) {
+                                            int n, int h, std::int64_t q0, int stream, int tid) {
   using namespace cute;
   using Element = typename Traits::Element;
   constexpr int D = Traits::kHeadDim, R = Traits::kRows, C = Traits::kCols;
@@ -129,12 +142,14 @@ __device__ __forceinline__ void dq_consumer(const BwdKernelParams<Traits>& p,
   for (int i = 0; i < n; ++i) {
     KeyBlock kb = visit.block(i);
     if constexpr (Visit::kKeyFlags) kb.key_flags = visit.lane_key_flags(kb.start);
-    const int s = warp_uniform(ring.stage);
+    const int s = warp_uniform(stream * Traits::kStages + ring.stage);
     Barrier::wait(&st.full[s], ring.phase);
     warpgroup_gemm(mma_ss, tSrQ, tSrK(_, _, _, s), tSrS, true);
     warpgroup_gemm(mma_ss, tdPrdO, tdPrV(_, _, _, s), tdPrdP, true);
     warpgroup_wait<1>();  // S is ready; dP may still run
     warpgroup_fence_operand(tSrS);
+    // apply_mask reads rows relative to the visit's first row (dense: the CTA's tile; a
+    // second stream has its own block-sparse visit, whose masks read no rows).
     if (kb.needs_mask) apply_mask(tSrS, tScS, visit, kb, q0);
 #pragma unroll
     for (int v = 0; v < kVals; ++v)

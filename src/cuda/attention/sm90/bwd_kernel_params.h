@@ -7,6 +7,7 @@
 
 #include "bwd_traits.h"
 #include "cuda/common/params.h"
+#include "fwd_params.h"
 
 namespace vidattn::cuda_sm90 {
 
@@ -31,6 +32,9 @@ struct BwdRowStats {
 template <class Traits>
 struct BwdKernelParams {
   cuda_common::AttentionParams attn;
+  // Block-sparse: the dQ kernel walks the forward's key lists (the dK / dV kernel reads the
+  // k2q lists from attn).
+  SparseKeyListArgs sparse;
   BwdRowStats stats;
   // The stationary pair (K, V for dK / dV; Q, dO for dQ) and the streamed pair (Q, dO; K, V).
   typename Traits::TmaRows tma_x, tma_y;

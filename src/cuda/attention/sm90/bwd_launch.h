@@ -22,4 +22,12 @@ namespace vidattn::cuda_sm90 {
 template <class T, int D>
 bool launch_dense_backward(const AttentionParams& p, cudaStream_t stream);
 
+// Block-sparse (batched, no masks, no causal; GQA allowed), deterministic: dK / dV over the
+// k2q lists in p (k2q_offsets, k2q_index), dQ over s's q2k lists. Same alignment
+// preconditions; q and k lengths are multiples of s.tile_volume (64, 128 or 256); padded
+// slots as p.q_block_sizes and s.kv_block_sizes say (unit stride).
+template <class T, int D>
+bool launch_sparse_backward(const AttentionParams& p, const SparseKeyListArgs& s,
+                            cudaStream_t stream);
+
 }  // namespace vidattn::cuda_sm90

@@ -40,15 +40,16 @@ void launch_bwd_kernel(Kernel kernel, dim3 grid, const BwdKernelParams<Traits>& 
 
 }  // namespace launch_detail
 
-template <class T, int D>
-bool launch_dense_backward(const AttentionParams& a, cudaStream_t stream) {
+namespace launch_detail {
+
+// The preprocess, then the dK / dV kernel (KeyVisit: its query visit) and the dQ kernel
+// (QueryVisit: the forward's key visit). False when this build holds no sm_90a code.
+template <class T, class Traits, class QueryVisitT, class KeyVisitT>
+bool backward(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStream_t stream) {
   using namespace cute;
-  using Traits = BwdTraits<launch_detail::CutlassElement<T>, D>;
-  using KeyMasked = DenseVisit<Traits::kCols, true>;
-  using Unmasked = DenseVisit<Traits::kCols, false>;
-  using Queries = DenseQueryVisit<Traits::kCols, Traits::kRows>;
-  auto dkdv = sm90_attention_bwd_dkdv_kernel<Traits, Queries>;
-  static const bool available = launch_detail::has_sm90a_code(dkdv);
+  auto dkdv = sm90_attention_bwd_dkdv_kernel<Traits, QueryVisitT>;
+  auto dq = sm90_attention_bwd_dq_kernel<Traits, KeyVisitT>;
+  static const bool available = has_sm90a_code(dkdv);
   if (!available) return false;
   if (a.batch == 0) return true;
 
@@ -61,20 +62,20 @@ bool launch_dense_backward(const AttentionParams& a, cudaStream_t stream) {
   stats.lse2 = workspace.as<float>();
   stats.delta = stats.lse2 + entries;
   if (entries > 0) {
-    sm90_attention_bwd_preprocess_kernel<T, D>
-        <<<launch_detail::bwd_blocks(static_cast<std::int64_t>(entries), 8), 256, 0, stream>>>(
-            a, stats);
+    sm90_attention_bwd_preprocess_kernel<T, Traits::kHeadDim>
+        <<<bwd_blocks(static_cast<std::int64_t>(entries), 8), 256, 0, stream>>>(a, stats);
     cuda_common::check_cuda(cudaGetLastError(), "sm90 attention backward (preprocess) launch");
   }
 
   BwdKernelParams<Traits> p;
   p.attn = a;
+  p.sparse = sparse;
   p.stats = stats;
   p.q_rows = static_cast<int>(a.varlen ? a.rows_q : a.seqlen_q);
   p.kv_rows = static_cast<int>(a.varlen ? a.rows_k : a.seqlen_k);
   p.tma_batch = a.varlen ? 1 : a.batch;
   auto view = [&](const void* ptr, int rows, int heads, const RowStrides& st) {
-    return launch_detail::gmem_view<Traits>(ptr, rows, heads, p.tma_batch, st);
+    return gmem_view<Traits>(ptr, rows, heads, p.tma_batch, st);
   };
   using RowsLayout = typename Traits::SmemLayoutRows;
   const auto cols_layout = take<0, 2>(typename Traits::SmemLayoutCols{});
@@ -89,9 +90,8 @@ bool launch_dense_backward(const AttentionParams& a, cudaStream_t stream) {
   p.tma_w = make_tma_copy(SM90_TMA_LOAD{},
                           view(a.grad_out, p.q_rows, a.heads_q, a.grad_out_strides), cols_layout);
   if (a.seqlen_k > 0)
-    launch_detail::launch_bwd_kernel(
-        dkdv, dim3(launch_detail::bwd_blocks(a.seqlen_k, Traits::kRows), a.heads_kv, a.batch), p,
-        stream, "sm90 attention backward (dK, dV) launch");
+    launch_bwd_kernel(dkdv, dim3(bwd_blocks(a.seqlen_k, Traits::kRows), a.heads_kv, a.batch), p,
+                      stream, "sm90 attention backward (dK, dV) launch");
 
   // dQ: Q and dO stationary, K and V streamed.
   p.tma_x = make_tma_copy(SM90_TMA_LOAD{}, view(a.q, p.q_rows, a.heads_q, a.q_strides),
@@ -102,19 +102,42 @@ bool launch_dense_backward(const AttentionParams& a, cudaStream_t stream) {
                           cols_layout);
   p.tma_w = make_tma_copy(SM90_TMA_LOAD{}, view(a.v, p.kv_rows, a.heads_kv, a.v_strides),
                           cols_layout);
-  if (a.seqlen_q > 0) {
-    const dim3 grid(launch_detail::bwd_blocks(a.seqlen_q, Traits::kRows), a.heads_q, a.batch);
-    if (a.key_mask != nullptr)
-      launch_detail::launch_bwd_kernel(sm90_attention_bwd_dq_kernel<Traits, KeyMasked>, grid, p,
-                                       stream, "sm90 attention backward (dQ) launch");
-    else
-      launch_detail::launch_bwd_kernel(sm90_attention_bwd_dq_kernel<Traits, Unmasked>, grid, p,
-                                       stream, "sm90 attention backward (dQ) launch");
-  }
+  if (a.seqlen_q > 0)
+    launch_bwd_kernel(dq, dim3(bwd_blocks(a.seqlen_q, Traits::kRows), a.heads_q, a.batch), p,
+                      stream, "sm90 attention backward (dQ) launch");
 #ifdef VIDATTN_TESTING
   testing::note_sm90_backward_launch();
 #endif
   return true;
+}
+
+}  // namespace launch_detail
+
+template <class T, int D>
+bool launch_dense_backward(const AttentionParams& a, cudaStream_t stream) {
+  using Traits = BwdTraits<launch_detail::CutlassElement<T>, D>;
+  using Queries = DenseQueryVisit<Traits::kCols, Traits::kRows>;
+  // Key padding has an instance of its own (the key flags of the forward's masked kernel).
+  if (a.key_mask != nullptr)
+    return launch_detail::backward<T, Traits, Queries, DenseVisit<Traits::kCols, true>>(
+        a, SparseKeyListArgs{}, stream);
+  return launch_detail::backward<T, Traits, Queries, DenseVisit<Traits::kCols, false>>(
+      a, SparseKeyListArgs{}, stream);
+}
+
+template <class T, int D>
+bool launch_sparse_backward(const AttentionParams& a, const SparseKeyListArgs& s,
+                            cudaStream_t stream) {
+  // 64-token tiles: each consumer warpgroup's 64 rows are a tile of their own, with their own
+  // list (two streams); larger tiles hold the CTA's 128 rows and share one list.
+  if (s.tile_volume == 64) {
+    using Traits = BwdTraits<launch_detail::CutlassElement<T>, D, 2>;
+    return launch_detail::backward<T, Traits, SparseQueryVisit<Traits::kCols>,
+                                   SparseVisit<Traits::kCols>>(a, s, stream);
+  }
+  using Traits = BwdTraits<launch_detail::CutlassElement<T>, D, 1>;
+  return launch_detail::backward<T, Traits, SparseQueryVisit<Traits::kCols>,
+                                 SparseVisit<Traits::kCols>>(a, s, stream);
 }
 
 }  // namespace vidattn::cuda_sm90

@@ -31,6 +31,10 @@ __global__ void __launch_bounds__(256)
   bool live = row < seq.len_q;
   if (live && p.query_mask)
     live = p.query_mask[seq.batch * p.query_mask_batch + row * p.query_mask_row] != 0;
+  if (live && p.q_block_sizes) {  // block-sparse: a padded slot of its query tile
+    const std::int64_t t = row / p.tile_volume;
+    live = row - t * p.tile_volume < __ldg(p.q_block_sizes + t * p.q_block_sizes_stride);
+  }
   float lse = -INFINITY;
   if (live) lse = p.lse[cuda_common::q_side_offset(p, p.lse_strides, seq, row, h)];
   live = live && lse != -INFINITY;  // the row saw no key in the forward

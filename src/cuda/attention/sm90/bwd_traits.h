@@ -4,6 +4,10 @@
 //     once: K and V for the dK / dV kernel, Q and dO for the dQ kernel;
 //   * a ring of kStages slots through which 64-row tiles of the two other tensors stream:
 //     Q and dO (with their rows' LSE and row sums) for dK / dV, K and V for dQ.
+// kStreams = 1: both warpgroups share one ring (dense; block-sparse tiles of 128 and 256
+// tokens, where the CTA's rows lie in one tile and share its list). kStreams = 2: each
+// warpgroup has a ring of its own, fed by its own producer warp (block-sparse 64-token tiles:
+// the warpgroups' 64 rows are two tiles with two lists).
 // With A the stationary pair (X, Y) and B the streamed pair (U, W), every step runs
 //   S = X U^T and dP = Y W^T (wgmma, both operands in shared memory: MmaSS),
 //   P and dS = P (dP - delta) in registers,
@@ -27,7 +31,7 @@
 
 namespace vidattn::cuda_sm90 {
 
-template <class Element_, int kHeadDim_>
+template <class Element_, int kHeadDim_, int kStreams_ = 1>
 struct BwdTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
   static constexpr int kHeadDim = kHeadDim_;
@@ -35,6 +39,12 @@ struct BwdTraits {
   static constexpr int kRows = 64 * kConsumerWGs;  // stationary rows per CTA
   static constexpr int kCols = 64;                 // rows of one streamed tile
   static constexpr int kStages = 2;
+  static constexpr int kStreams = kStreams_;
+  static_assert(kStreams == 1 || kStreams == kConsumerWGs);
+  static constexpr int kStreamRows = kRows / kStreams;  // stationary rows per stream
+  static constexpr int kSlots = kStages * kStreams;      // ring slots of all streams
+  // Arrivals that free a slot: the threads of the warpgroups reading it.
+  static constexpr int kSlotReleases = 128 * kConsumerWGs / kStreams;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   // 24 + 2 x 240 registers: exactly the launch allocation of 384 threads at 168 (64512).
   // The dK / dV consumers hold dK and dV (2 x D / 2 fp32 values per thread), S and dP (32 each)
@@ -48,13 +58,13 @@ struct BwdTraits {
   using SmemLayoutRows = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::Shape<cute::Int<kRows>, cute::Int<kHeadDim>>{}));
   using SmemLayoutCols = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::Shape<cute::Int<kCols>, cute::Int<kHeadDim>, cute::Int<kStages>>{}));
+      SmemAtom{}, cute::Shape<cute::Int<kCols>, cute::Int<kHeadDim>, cute::Int<kSlots>>{}));
   // A streamed tile seen as the B operand of the register-operand products: (head dim, rows),
   // head dim contiguous (MN-major). A view of the same bytes.
   using SmemLayoutColsT = decltype(cute::composition(
       SmemLayoutCols{},
       cute::make_ordered_layout(
-          cute::Shape<cute::Int<kHeadDim>, cute::Int<kCols>, cute::Int<kStages>>{},
+          cute::Shape<cute::Int<kHeadDim>, cute::Int<kCols>, cute::Int<kSlots>>{},
           cute::Step<cute::_2, cute::_1, cute::_3>{})));
 
   using WGLayout = cute::Layout<cute::Shape<cute::Int<kConsumerWGs>, cute::_1, cute::_1>>;
@@ -94,10 +104,10 @@ struct BwdTraits {
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutRows>, 1024> x, y;
     cute::array_aligned<Element, cute::cosize_v<SmemLayoutCols>, 1024> u, w;
     // dK / dV kernel: the streamed query rows' LSE (log2 units) and row sums.
-    alignas(16) float lse2[kStages][kCols];
-    alignas(16) float delta[kStages][kCols];
+    alignas(16) float lse2[kSlots][kCols];
+    alignas(16) float delta[kSlots][kCols];
     uint64_t rows_full;
-    uint64_t full[kStages], empty[kStages];
+    uint64_t full[kSlots], empty[kSlots];  // slot stream * kStages + stage
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual alignment
 };
