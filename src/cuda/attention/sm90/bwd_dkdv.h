@@ -95,6 +95,28 @@ __device__ __forceinline__ void dkdv_producer(const BwdKernelParams<Traits>& p,
 }
 
 // tid: the thread's index among the consumer threads (0 .. 255).
+// Rows [valid, kCols) of slot s's Q and dO to zero, by the warpgroups that read the slot
+// (one with two streams, both with one), which then wait for each other: no product reads
+// the slot before every write is done and made visible to wgmma (the async proxy).
+template <class Traits, class TensorQ, class TensorO>
+__device__ __forceinline__ void zero_tail_rows(TensorQ& sQ, TensorO& sdO, int s, int valid,
+                                               int stream, int tid) {
+  using namespace cute;
+  constexpr int kChunks = Traits::kHeadDim / 8;  // 16-byte chunks per row
+  constexpr int kReaders = Traits::kSlotReleases;  // threads reading the slot
+  const int t = Traits::kStreams == 1 ? tid : tid % 128;
+  for (int i = t; i < (Traits::kCols - valid) * kChunks; i += kReaders) {
+    const int r = valid + i / kChunks, c = 8 * (i % kChunks);
+    *reinterpret_cast<uint4*>(&sQ(r, c, s)) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(&sdO(r, c, s)) = make_uint4(0, 0, 0, 0);
+  }
+  cutlass::arch::fence_view_async_shared();
+  // Named barriers 1 (one stream) or 1 + stream (two); 0 is __syncthreads.
+  asm volatile("bar.sync %0, %1;\n" ::"r"(1 + (Traits::kStreams == 1 ? 0 : stream)),
+               "r"(kReaders)
+               : "memory");
+}
+
 // k0: the CTA's first key; the stream's tile starts at k0 + row0.
 template <class Traits, class Visit>
 __device__ __forceinline__ void dkdv_consumer(const BwdKernelParams<Traits>& p,
@@ -149,6 +171,7 @@ __device__ __forceinline__ void dkdv_consumer(const BwdKernelParams<Traits>& p,
     const QueryBlock qb = visit.next();
     const int s = warp_uniform(stream * Traits::kStages + ring.stage);
     Barrier::wait(&st.full[s], ring.phase);
+    if (qb.valid_rows < C) zero_tail_rows<Traits>(sQ, sdO, s, qb.valid_rows, stream, tid);
     warpgroup_gemm(mma_ss, tSrK, tSrQ(_, _, _, s), tSrS, true);
     warpgroup_gemm(mma_ss, tdPrV, tdPrdO(_, _, _, s), tdPrdP, true);
     warpgroup_wait<1>();  // S^T is ready; dP^T may still run

@@ -129,12 +129,17 @@ __device__ __forceinline__ void dq_consumer(const BwdKernelParams<Traits>& p,
   clear(tdQrdQ);
   const float scale_log2 = a.scale * cuda_common::kLog2e;
   // The thread's two query rows (value v is in row 2 ((v / 2) % 2) of its pair).
+  // A row that takes no gradient (lse2 = +inf: padded, masked, past the sequence) gets P = 0
+  // and dS = 0 by selection, not by arithmetic: its Q and dO may hold anything (padded slots
+  // are never to be read), and exp2(NaN - inf) is NaN.
   float lse2[2], delta[2];
+  bool dead[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const std::int64_t o = p.stats.offset(blockIdx.z, h, a.heads_q, q0 + get<0>(tScS(2 * r)));
     lse2[r] = p.stats.lse2[o];
     delta[r] = p.stats.delta[o];
+    dead[r] = lse2[r] == INFINITY;
   }
 
   if (n > 0) Barrier::wait(&st.rows_full, 0);
@@ -159,8 +164,9 @@ __device__ __forceinline__ void dq_consumer(const BwdKernelParams<Traits>& p,
 #pragma unroll
     for (int w = 0; w < kVals / 2; ++w) {
       const int r = w & 1;  // values 2w and 2w + 1 share row (w % 2)
-      tdSrdS32(w) = pack_pair<Element>(tSrS(2 * w) * (tdPrdP(2 * w) - delta[r]),
-                                       tSrS(2 * w + 1) * (tdPrdP(2 * w + 1) - delta[r]));
+      const float ds0 = tSrS(2 * w) * (tdPrdP(2 * w) - delta[r]);
+      const float ds1 = tSrS(2 * w + 1) * (tdPrdP(2 * w + 1) - delta[r]);
+      tdSrdS32(w) = dead[r] ? 0u : pack_pair<Element>(ds0, ds1);
     }
     warpgroup_fence_operand(tdSrdS);
     warpgroup_gemm(mma_rs, tdSrdS, tdQrK(_, _, _, s), tdQrdQ, false);

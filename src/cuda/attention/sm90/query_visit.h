@@ -26,6 +26,10 @@ struct QueryBlock {
   int head = 0;             // query head
   std::int64_t q0 = 0;      // the block's first query row (sequence row)
   bool needs_mask = false;  // some query of the block cannot see some key of the stream's tile
+  // Rows [0, valid_rows) of the block are queries of the sequence (or of the query tile); the
+  // consumers zero the rest of the loaded Q and dO rows (the next sequence's, or padded slots,
+  // whose content is never to reach a gradient: 0 x NaN is NaN in the products).
+  int valid_rows = 0;
 };
 
 // kBlockQ: query rows per block; kKeys: key rows of the stream's tile.
@@ -38,10 +42,13 @@ struct DenseQueryVisit {
   const std::uint8_t* key_mask = nullptr;  // this sequence's row, or null
   std::int64_t key_mask_row = 0;
 
+  std::int64_t len_q = 0;
+
   __device__ __forceinline__ DenseQueryVisit(const cuda_common::AttentionParams& p,
                                              const cuda_common::Sequence& seq, int /*b*/, int hk,
                                              std::int64_t k0_)
-      : k0(k0_), shift(seq.len_k - seq.len_q), head0(hk * p.group), causal(p.causal) {
+      : k0(k0_), shift(seq.len_k - seq.len_q), head0(hk * p.group), causal(p.causal),
+        len_q(seq.len_q) {
     if (p.key_mask) {
       key_mask = p.key_mask + seq.batch * p.key_mask_batch;
       key_mask_row = p.key_mask_row;
@@ -63,6 +70,7 @@ struct DenseQueryVisit {
     b.q0 = static_cast<std::int64_t>(first_block + (i - h * per_head)) * kBlockQ;
     // The block's first row sees keys up to q0 + shift; the tile's last key is k0 + kKeys - 1.
     b.needs_mask = causal && b.q0 + shift < k0 + kKeys - 1;
+    b.valid_rows = len_q - b.q0 < kBlockQ ? static_cast<int>(len_q - b.q0) : kBlockQ;
     ++i;
     return b;
   }
@@ -104,11 +112,15 @@ struct SparseQueryVisit {
   std::int64_t total = 0, kt = 0, e = 0, end = 0;
   int head0 = 0, group = 1, h = -1, sub = 0, subs = 1, n = 0, q_tiles = 0, tile_volume = 64;
   int valid_keys = 0;  // of key tile kt
+  const std::int32_t* q_sizes = nullptr;  // valid slots per query tile, or null: all
+  std::int64_t q_sizes_stride = 1;
 
   __device__ __forceinline__ SparseQueryVisit(const cuda_common::AttentionParams& p,
                                               const cuda_common::Sequence&, int b, int hk,
                                               std::int64_t k0) {
     tile_volume = p.tile_volume;
+    q_sizes = p.q_block_sizes;
+    q_sizes_stride = p.q_block_sizes_stride;
     subs = tile_volume / kBlockQ;
     q_tiles = p.q_tiles;
     group = p.group;
@@ -148,6 +160,12 @@ struct SparseQueryVisit {
     b.head = head0 + h;
     b.q0 = ok ? static_cast<std::int64_t>(qt) * tile_volume + sub * kBlockQ : 0;
     b.needs_mask = !ok;
+    int valid = 0;
+    if (ok) {
+      valid = (q_sizes ? __ldg(q_sizes + qt * q_sizes_stride) : tile_volume) - sub * kBlockQ;
+      valid = valid < 0 ? 0 : (valid > kBlockQ ? kBlockQ : valid);
+    }
+    b.valid_rows = valid;
     if (++sub == subs) sub = 0, ++e;
     return b;
   }
