@@ -29,6 +29,7 @@ struct AttentionArgs {
   OptTensor key_padding_mask, query_padding_mask;  // batched ops
   OptTensor cu_seqlens_q, cu_seqlens_k;            // varlen ops
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  bool deterministic = true;  // the backward's; saved by the forward for it
   bool varlen() const { return cu_seqlens_q.has_value(); }
 };
 
@@ -42,6 +43,7 @@ AttentionOptions options_of(const AttentionArgs& a, const char* fn, const Tensor
   o.cu_seqlens_k = view_of(a.cu_seqlens_k, fn, "cu_seqlens_k");
   o.max_seqlen_q = a.max_seqlen_q;
   o.max_seqlen_k = a.max_seqlen_k;
+  o.deterministic = a.deterministic;
   o.num_threads = at::get_num_threads();
   o.stream = stream_of(q);
   return o;
@@ -77,17 +79,21 @@ std::tuple<Tensor, Tensor> forward_kernel(const char* fn, const Tensor& q, const
 std::tuple<Tensor, Tensor> attention_kernel(const Tensor& q, const Tensor& k, const Tensor& v,
                                             std::optional<double> scale, bool causal,
                                             const OptTensor& key_padding_mask,
-                                            const OptTensor& query_padding_mask) {
-  return forward_kernel("vidattn.attention", q, k, v,
-                        {scale, causal, key_padding_mask, query_padding_mask});
+                                            const OptTensor& query_padding_mask,
+                                            bool deterministic) {
+  return forward_kernel(
+      "vidattn.attention", q, k, v,
+      {scale, causal, key_padding_mask, query_padding_mask, {}, {}, 0, 0, deterministic});
 }
 
 std::tuple<Tensor, Tensor> attention_varlen_kernel(const Tensor& q, const Tensor& k,
                                                    const Tensor& v, const Tensor& cu_seqlens_q,
                                                    const Tensor& cu_seqlens_k,
                                                    int64_t max_seqlen_q, int64_t max_seqlen_k,
-                                                   std::optional<double> scale, bool causal) {
-  AttentionArgs a{scale, causal, {}, {}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
+                                                   std::optional<double> scale, bool causal,
+                                                   bool deterministic) {
+  AttentionArgs a{scale,        causal,       {}, {}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k, deterministic};
   return forward_kernel("vidattn.attention_varlen", q, k, v, a);
 }
 
@@ -95,12 +101,14 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_kernel(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, std::optional<double> scale, bool causal, const OptTensor& key_padding_mask,
     const OptTensor& query_padding_mask, const OptTensor& cu_seqlens_q,
-    const OptTensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+    const OptTensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    bool deterministic) {
   constexpr const char* fn = "vidattn.attention_backward";
   const at::OptionalDeviceGuard device_guard(at::device_of(q));
   return translate_errors([&] {
     AttentionArgs a{scale,        causal,       key_padding_mask, query_padding_mask,
-                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q,     max_seqlen_k};
+                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q,     max_seqlen_k,
+                    deterministic};
     Tensor dq = at::empty(q.sizes(), q.options());
     Tensor dk = at::empty(k.sizes(), k.options());
     Tensor dv = at::empty(v.sizes(), v.options());
@@ -140,7 +148,7 @@ std::tuple<Tensor, Tensor> forward_meta(const char* fn, const Tensor& q, const T
 std::tuple<Tensor, Tensor> attention_meta(const Tensor& q, const Tensor& k, const Tensor& v,
                                           std::optional<double> scale, bool causal,
                                           const OptTensor& key_padding_mask,
-                                          const OptTensor& query_padding_mask) {
+                                          const OptTensor& query_padding_mask, bool) {
   return forward_meta("vidattn.attention", q, k, v,
                       {scale, causal, key_padding_mask, query_padding_mask});
 }
@@ -149,7 +157,7 @@ std::tuple<Tensor, Tensor> attention_varlen_meta(const Tensor& q, const Tensor& 
                                                  const Tensor& cu_seqlens_q,
                                                  const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                                  int64_t max_seqlen_k, std::optional<double> scale,
-                                                 bool causal) {
+                                                 bool causal, bool) {
   AttentionArgs a{scale, causal, {}, {}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
   return forward_meta("vidattn.attention_varlen", q, k, v, a);
 }
@@ -157,7 +165,7 @@ std::tuple<Tensor, Tensor> attention_varlen_meta(const Tensor& q, const Tensor& 
 std::tuple<Tensor, Tensor, Tensor> attention_backward_meta(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, std::optional<double>, bool, const OptTensor&, const OptTensor&,
-    const OptTensor&, const OptTensor&, int64_t, int64_t) {
+    const OptTensor&, const OptTensor&, int64_t, int64_t, bool) {
   (void)grad_out, (void)out, (void)lse;
   return std::make_tuple(at::empty_symint(q.sym_sizes(), q.options()),
                          at::empty_symint(k.sym_sizes(), k.options()),
@@ -173,12 +181,13 @@ std::tuple<Tensor, Tensor> call_forward_op(const Tensor& q, const Tensor& k, con
                          .findSchemaOrThrow("vidattn::attention_varlen", "")
                          .typed<decltype(attention_varlen_kernel)>();
     return op.call(q, k, v, *a.cu_seqlens_q, *a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k,
-                   a.scale, a.causal);
+                   a.scale, a.causal, a.deterministic);
   }
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("vidattn::attention", "")
                        .typed<decltype(attention_kernel)>();
-  return op.call(q, k, v, a.scale, a.causal, a.key_padding_mask, a.query_padding_mask);
+  return op.call(q, k, v, a.scale, a.causal, a.key_padding_mask, a.query_padding_mask,
+                 a.deterministic);
 }
 
 c10::IValue optional_tensor(const OptTensor& t) { return t ? c10::IValue(*t) : c10::IValue(); }
@@ -204,6 +213,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     ctx->saved_data["cu_seqlens_k"] = optional_tensor(a.cu_seqlens_k);
     ctx->saved_data["max_seqlen_q"] = a.max_seqlen_q;
     ctx->saved_data["max_seqlen_k"] = a.max_seqlen_k;
+    ctx->saved_data["deterministic"] = a.deterministic;
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -221,7 +231,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
         d.at("causal").toBool(), get_optional_tensor(d.at("key_padding_mask")),
         get_optional_tensor(d.at("query_padding_mask")),
         get_optional_tensor(d.at("cu_seqlens_q")), get_optional_tensor(d.at("cu_seqlens_k")),
-        d.at("max_seqlen_q").toInt(), d.at("max_seqlen_k").toInt());
+        d.at("max_seqlen_q").toInt(), d.at("max_seqlen_k").toInt(),
+        d.at("deterministic").toBool());
     return {dq, dk, dv, Tensor()};
   }
 };
@@ -229,9 +240,12 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
 std::tuple<Tensor, Tensor> attention_autograd(const Tensor& q, const Tensor& k, const Tensor& v,
                                               std::optional<double> scale, bool causal,
                                               const OptTensor& key_padding_mask,
-                                              const OptTensor& query_padding_mask) {
+                                              const OptTensor& query_padding_mask,
+                                              bool deterministic) {
   auto r = AttentionFunction::apply(
-      q, k, v, AttentionArgs{scale, causal, key_padding_mask, query_padding_mask});
+      q, k, v,
+      AttentionArgs{scale, causal, key_padding_mask, query_padding_mask, {}, {}, 0, 0,
+                    deterministic});
   return std::make_tuple(r[0], r[1]);
 }
 
@@ -239,10 +253,12 @@ std::tuple<Tensor, Tensor> attention_varlen_autograd(const Tensor& q, const Tens
                                                      const Tensor& v, const Tensor& cu_seqlens_q,
                                                      const Tensor& cu_seqlens_k,
                                                      int64_t max_seqlen_q, int64_t max_seqlen_k,
-                                                     std::optional<double> scale, bool causal) {
+                                                     std::optional<double> scale, bool causal,
+                                                     bool deterministic) {
   auto r = AttentionFunction::apply(
       q, k, v,
-      AttentionArgs{scale, causal, {}, {}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k});
+      AttentionArgs{scale, causal, {}, {}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                    deterministic});
   return std::make_tuple(r[0], r[1]);
 }
 
@@ -252,18 +268,19 @@ TORCH_LIBRARY(vidattn, m) {
   const std::vector<at::Tag> tags{at::Tag::pt2_compliant_tag};
   m.def(
       "attention(Tensor q, Tensor k, Tensor v, *, float? scale=None, bool causal=False, "
-      "Tensor? key_padding_mask=None, Tensor? query_padding_mask=None) -> (Tensor out, Tensor lse)",
+      "Tensor? key_padding_mask=None, Tensor? query_padding_mask=None, "
+      "bool deterministic=True) -> (Tensor out, Tensor lse)",
       tags);
   m.def(
       "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
-      "int max_seqlen_q, int max_seqlen_k, *, float? scale=None, bool causal=False) -> "
-      "(Tensor out, Tensor lse)",
+      "int max_seqlen_q, int max_seqlen_k, *, float? scale=None, bool causal=False, "
+      "bool deterministic=True) -> (Tensor out, Tensor lse)",
       tags);
   m.def(
       "attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
       "*, float? scale, bool causal, Tensor? key_padding_mask, Tensor? query_padding_mask, "
-      "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k) -> "
-      "(Tensor dq, Tensor dk, Tensor dv)",
+      "Tensor? cu_seqlens_q, Tensor? cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, "
+      "bool deterministic=True) -> (Tensor dq, Tensor dk, Tensor dv)",
       tags);
 }
 

@@ -39,6 +39,10 @@ struct AttentionOptions {
   std::optional<TensorView> cu_seqlens_k;        // int32 [N + 1]
   std::int64_t max_seqlen_q = 0;                 // varlen: longest q sequence
   std::int64_t max_seqlen_k = 0;                 // varlen: longest k sequence
+  // Backward: true gives the same bits on every run. false lets the CUDA Hopper backward add
+  // dQ in an order that varies between runs (faster); the CPU and the portable CUDA backward
+  // are deterministic either way.
+  bool deterministic = true;
   int num_threads = 0;                           // CPU worker threads; 0 = runtime default
   void* stream = nullptr;                        // CUDA: cudaStream_t to run on
 };
@@ -78,7 +82,8 @@ void attention_forward(const TensorView& q, const TensorView& k, const TensorVie
                        const AttentionOptions& options);
 
 // dq, dk, dv have the shapes of q, k, v (any strides, unit-stride last dimension) and are
-// written in full. out and lse are the forward's outputs; the result is deterministic.
+// written in full. out and lse are the forward's outputs; the result is deterministic unless
+// options.deterministic is false.
 void attention_backward(const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& out, const TensorView& lse,
                         const TensorView& grad_out, const TensorView& dq,

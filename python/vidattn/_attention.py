@@ -16,6 +16,7 @@ def attention(
     causal: bool = False,
     key_padding_mask: Optional[torch.Tensor] = None,
     query_padding_mask: Optional[torch.Tensor] = None,
+    deterministic: bool = True,
     return_lse: bool = False,
 ):
     """Softmax attention over ``[B, S, H, D]`` tensors (any strides, unit stride on D).
@@ -28,10 +29,15 @@ def attention(
     sees key j iff j <= i + Sk - Sq. Masks are bool, True marks a valid token: keys
     ``[B, Sk]``, queries ``[B, Sq]`` (padded query rows output 0). A row that sees no key
     outputs 0 with LSE -inf and gets zero gradient.
+
+    ``deterministic`` is the backward's: True gives the same bits on every run; False lets
+    the Hopper (sm_90a) backward add dQ in an order that varies (one fused kernel instead of
+    two, faster). Elsewhere the backward is deterministic either way.
     """
     out, lse = _ops.attention(
         q, k, v, scale=scale, causal=causal,
-        key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask)
+        key_padding_mask=key_padding_mask, query_padding_mask=query_padding_mask,
+        deterministic=bool(deterministic))
     return (out, lse) if return_lse else out
 
 
@@ -46,6 +52,7 @@ def attention_varlen(
     *,
     scale: Optional[float] = None,
     causal: bool = False,
+    deterministic: bool = True,
     return_lse: bool = False,
 ):
     """Attention over packed variable-length sequences.
@@ -53,9 +60,9 @@ def attention_varlen(
     q ``[Tq, Hq, D]``, k ``[Tk, Hkv, D]``, v ``[Tk, Hkv, Dv]``; sequence i owns rows
     ``cu_seqlens[i]:cu_seqlens[i+1]`` (int32, on the tensors' device, starting at 0 and ending
     at the row count). Returns out ``[Tq, Hq, Dv]`` and, with ``return_lse``, LSE ``[Hq, Tq]``.
-    Causal alignment is per sequence.
+    Causal alignment is per sequence; ``deterministic`` as in :func:`attention`.
     """
     out, lse = _ops.attention_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-        scale=scale, causal=causal)
+        scale=scale, causal=causal, deterministic=bool(deterministic))
     return (out, lse) if return_lse else out

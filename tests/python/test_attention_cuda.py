@@ -98,9 +98,10 @@ def check_rule(name, got, ref64, lowp, dtype, factor=2.0, terms=0.0):
 
 
 def run_and_check(q, k, v, *, causal=False, kmask=None, qmask=None, scale=None, seed=0,
-                  check_grads=True, clone_inputs=True):
+                  check_grads=True, clone_inputs=True, deterministic=True):
     """clone_inputs=False runs the kernel on the given views themselves (their alignment and
-    strides are the point of some tests); they must then require grad when check_grads."""
+    strides are the point of some tests); they must then require grad when check_grads.
+    deterministic: the backward's option."""
     dtype = q.dtype
     D = q.shape[-1]
     sc = scale if scale is not None else 1.0 / math.sqrt(D)
@@ -108,7 +109,8 @@ def run_and_check(q, k, v, *, causal=False, kmask=None, qmask=None, scale=None, 
     qk = ([t.detach().clone().requires_grad_(check_grads) for t in (q, k, v)] if clone_inputs
           else [q, k, v])
     out, lse = vidattn.attention(*qk, scale=scale, causal=causal, key_padding_mask=kmask,
-                                 query_padding_mask=qmask, return_lse=True)
+                                 query_padding_mask=qmask, deterministic=deterministic,
+                                 return_lse=True)
     assert out.shape == q.shape[:-1] + (v.shape[-1],) and out.dtype == dtype
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == torch.float32
     q64, k64, v64 = [t.detach().double().requires_grad_(check_grads) for t in (q, k, v)]

@@ -1,7 +1,9 @@
 """The sm_90a (Hopper) dense backward: on an sm_90 GPU the dense backward must take it (checked
 with the launch counter torch.ops.vidattn._sm90_backward_launches, a test hook of
 VIDATTN_TESTING builds), its gradients must match the float64 reference by the rule of
-docs/conventions.md on NaN-poisoned outputs, and reruns must give the same bits. The generic
+docs/conventions.md on NaN-poisoned outputs, with deterministic=True (a dK / dV and a dQ kernel)
+and False (one kernel reducing dQ into an fp32 workspace), and deterministic reruns must give
+the same bits. The generic
 CUDA tests (test_attention_cuda.py) run through it too on such a GPU; the shapes here add many
 key and query blocks, groups of query heads per key head, and partial tiles of both kernels
 (128 stationary rows, 64-row streamed blocks). Skipped on other GPUs."""
@@ -51,19 +53,22 @@ CASES = [  # B, Sq, Sk, Hq, Hkv, D, dtype, causal
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}_Sq{}_Sk{}_H{}x{}_D{}_{}_{}".format(
     *c[:6], str(c[6])[6:], "causal" if c[7] else "full"))
 @pytest.mark.parametrize("input_scale", [1.0, 16.0])
-def test_sm90_backward_matches_reference(case, input_scale):
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "fused"])
+def test_sm90_backward_matches_reference(case, input_scale, deterministic):
     B, Sq, Sk, Hq, Hkv, D, dtype, causal = case
     seed = zlib.crc32(repr((case, input_scale, "bwd")).encode())
     g = gen(seed)
     q = randn((B, Sq, Hq, D), dtype, g, input_scale)
     k = randn((B, Sk, Hkv, D), dtype, g, input_scale)
     v = randn((B, Sk, Hkv, D), dtype, g)
-    takes_sm90_backward(lambda: run_and_check(q, k, v, causal=causal, seed=seed))
+    takes_sm90_backward(lambda: run_and_check(q, k, v, causal=causal, seed=seed,
+                                              deterministic=deterministic))
 
 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_sm90_backward_padding_masks(D, causal):
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "fused"])
+def test_sm90_backward_padding_masks(D, causal, deterministic):
     g = gen(6000 + D + int(causal))
     B, Sq, Sk, Hq, Hkv = 3, 300, 450, 4, 2
     q = randn((B, Sq, Hq, D), torch.bfloat16, g, 4.0)
@@ -74,12 +79,13 @@ def test_sm90_backward_padding_masks(D, causal):
     kmask[1] = False  # every query of this entry sees nothing
     kmask[2, :] = True
     takes_sm90_backward(lambda: run_and_check(q, k, v, causal=causal, kmask=kmask, qmask=qmask,
-                                              seed=D))
+                                              seed=D, deterministic=deterministic))
 
 
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_sm90_backward_varlen_with_empty_sequences(D, causal):
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "fused"])
+def test_sm90_backward_varlen_with_empty_sequences(D, causal, deterministic):
     g = gen(6100 + D + int(causal))
     lq = [5, 0, 300, 1, 129, 64, 3]
     lk = [7, 3, 0, 1, 200, 400, 65]
@@ -90,7 +96,8 @@ def test_sm90_backward_varlen_with_empty_sequences(D, causal):
     v = randn((sum(lk), Hkv, D), dtype, g)
     gout = randn((sum(lq), Hq, D), dtype, g)
     qk = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = vidattn.attention_varlen(*qk, cu(lq), cu(lk), max(lq), max(lk), causal=causal)
+    out = vidattn.attention_varlen(*qk, cu(lq), cu(lk), max(lq), max(lk), causal=causal,
+                                   deterministic=deterministic)
     poison_allocator(q.numel() * 8 + (1 << 20))
     before = launches()
     dq, dk, dv = torch.autograd.grad(out, qk, gout)
@@ -125,6 +132,7 @@ def test_sm90_backward_varlen_with_empty_sequences(D, causal):
 
 
 def test_sm90_backward_is_deterministic_over_50_runs():
+    """deterministic=True (the default) on the Hopper kernels: 50 reruns, the same bits."""
     g = gen(6200)
     B, Sq, Sk, Hq, Hkv, D = 1, 1100, 1300, 8, 2, 128
     q = randn((B, Sq, Hq, D), torch.bfloat16, g, 4.0).requires_grad_()
@@ -167,3 +175,33 @@ LARGE_SPARSE_CASES = [  # dtype, V, B, Hq, Hkv, D, Qt, Kt, MaxK, input scale
                              str(c[0])[6:], *c[1:]))
 def test_sm90_block_sparse_backward_matches_reference(case):
     takes_sm90_backward(lambda: sparse_reference_check(case))
+
+
+# Fused dQ on block-sparse: tiles of 128 and 256 tokens (64-token tiles stay deterministic).
+@pytest.mark.parametrize("case", [c for c in SPARSE_CASES + LARGE_SPARSE_CASES if c[1] > 64],
+                         ids=lambda c: "{}_V{}_B{}_H{}x{}_D{}_Qt{}_Kt{}_K{}_s{}".format(
+                             str(c[0])[6:], *c[1:]))
+def test_sm90_block_sparse_fused_backward_matches_reference(case):
+    takes_sm90_backward(lambda: sparse_reference_check(case, deterministic=False))
+
+
+def test_sm90_fused_backward_reruns_agree_within_the_rule():
+    """deterministic=False: reruns may differ only in the order of dQ's fp32 adds; dK and dV
+    have one owner each and stay bit-identical."""
+    g = gen(6300)
+    B, Sq, Sk, Hq, Hkv, D = 1, 1100, 1300, 8, 2, 128
+    q = randn((B, Sq, Hq, D), torch.bfloat16, g, 4.0).requires_grad_()
+    k = randn((B, Sk, Hkv, D), torch.bfloat16, g, 4.0).requires_grad_()
+    v = randn((B, Sk, Hkv, D), torch.bfloat16, g).requires_grad_()
+    gout = randn((B, Sq, Hq, D), torch.bfloat16, g)
+    out = vidattn.attention(q, k, v, deterministic=False)
+    first = torch.autograd.grad(out, (q, k, v), gout, retain_graph=True)
+    for _ in range(10):
+        dq, dk, dv = torch.autograd.grad(out, (q, k, v), gout, retain_graph=True)
+        assert torch.equal(dk, first[1]) and torch.equal(dv, first[2])
+        # The same fp32 terms summed in another order (their sums differ by a few fp32
+        # roundings of the row's scale), then rounded to bf16: one unit in the last place of
+        # the larger result, plus the fp32 part where a sum cancels to near zero.
+        a, b = dq.float(), first[0].float()
+        bound = torch.maximum(a.abs(), b.abs()) * 2.0 ** -7 + 1e-5 * b.abs().amax()
+        assert ((a - b).abs() <= bound).all()

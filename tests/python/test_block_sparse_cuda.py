@@ -105,14 +105,16 @@ CASES = [  # dtype, V, B, Hq, Hkv, D, Qt, Kt, MaxK, input scale
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "{}_V{}_B{}_H{}x{}_D{}_Qt{}_Kt{}_K{}_s{}".format(
     str(c[0])[6:], *c[1:]))
-def test_block_sparse_cuda_matches_float64_reference(case):
+def test_block_sparse_cuda_matches_float64_reference(case, deterministic=True):
+    """deterministic (not a fixture: it has a default) is the backward's option."""
     dtype, V, B, Hq, Hkv, D, Qt, Kt, max_k, input_scale = case
     seed = zlib.crc32(repr(case).encode()) % 100_000
     q, k, v, idx, cnt, q_sizes, kv_sizes = make_case(dtype, V, B, Hq, Hkv, D, Qt, Kt, max_k,
                                                     input_scale, seed)
     scale = D ** -0.5
     qc, kc, vc = (x.to(DEV).requires_grad_() for x in (q, k, v))
-    kw = dict(tile_volume=V, q_block_sizes=q_sizes.to(DEV), kv_block_sizes=kv_sizes.to(DEV))
+    kw = dict(tile_volume=V, q_block_sizes=q_sizes.to(DEV), kv_block_sizes=kv_sizes.to(DEV),
+              deterministic=deterministic)
     poison_allocator(q.numel() * 8 + (1 << 20))
     out, lse = vidattn.block_sparse_attention(qc, kc, vc, idx.to(DEV), cnt.to(DEV), return_lse=True,
                                               **kw)

@@ -191,6 +191,53 @@ class FastVideoBlockSparse(Impl):
         return out.transpose(1, 2)
 
 
+class _TkFunction(torch.autograd.Function):
+    """tk_vsa's forward and backward as one autograd op on [B, H, S, D] contiguous tensors."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q2k_index, q2k_count, k2q_index, k2q_count, block_sizes):
+        tk = peers.tk_module()
+        out, lse = tk.fwd(q, k, v, q2k_index, q2k_count, block_sizes)
+        ctx.save_for_backward(q, k, v, out, lse, k2q_index, k2q_count, block_sizes)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, k2q_index, k2q_count, block_sizes = ctx.saved_tensors
+        dq, dk, dv = peers.tk_module().bwd(q, k, v, out, lse, grad_out.contiguous(), k2q_index,
+                                           k2q_count, block_sizes)
+        return dq, dk, dv, None, None, None, None, None
+
+
+class ThunderKittensBlockSparse(Impl):
+    """FastVideo's ThunderKittens Hopper kernel (tk_vsa: bf16, 64-token tiles) on ``[B, H, S,
+    D]`` contiguous views. Its backward walks the key-tile -> query-tiles lists, built once per
+    group outside the timed calls (FastVideo builds them in its own op)."""
+
+    name, backend = "fastvideo-tk", "FastVideo ThunderKittens block_sparse_h100 (sm_90a)"
+    layout = "bhsd"
+
+    def unavailable_reason(self, device):
+        return peers.tk_unavailable(device)
+
+    def skip_reason(self, device, dtype, shape):
+        if dtype != torch.bfloat16:
+            return f"{self.name}: bf16 only"
+        if shape.head_dim not in (64, 128):
+            return f"{self.name}: D = 64 or 128 only"
+        return None
+
+    def forward(self, inputs: BlockSparseInputs) -> torch.Tensor:
+        if inputs.scale is not None and inputs.scale != inputs.q.shape[-1] ** -0.5:
+            raise NotImplementedError("fastvideo-tk: only the default scale 1/sqrt(D)")
+        q, k, v = (t.transpose(1, 2) for t in (inputs.q, inputs.k, inputs.v))
+        k2q_index, k2q_count = inputs.cached("k2q", lambda: peers.invert_selection(
+            inputs.q2k_index, inputs.q2k_count, inputs.k.shape[1] // inputs.tile))
+        out = _TkFunction.apply(q, k, v, inputs.q2k_index, inputs.q2k_count, k2q_index,
+                                k2q_count, inputs.full_block_sizes())
+        return out.transpose(1, 2)
+
+
 class BlockSparseCase(Case):
     name = "blocksparse"
 
@@ -233,7 +280,8 @@ class BlockSparseCase(Case):
 
 
 def blocksparse_case(device: torch.device) -> BlockSparseCase:
-    impls = [VidattnBlockSparse(), FlexBlockSparse(device.type), FastVideoBlockSparse()]
+    impls = [VidattnBlockSparse(), FlexBlockSparse(device.type), FastVideoBlockSparse(),
+             ThunderKittensBlockSparse()]
     # vidattn's x-peer column: FastVideo's Triton kernel first (the strongest peer), then Flex;
     # the JSON has the ratio to every peer that ran.
     return BlockSparseCase(impls, peer_order=("fastvideo-triton", "flex"))

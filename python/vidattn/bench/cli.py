@@ -149,9 +149,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     meta = environment.metadata(device, threads, argv)
     meta.update(timer=plan.timer.name, seed=args.seed, input_scale=args.input_scale,
                 clock_sampling=plan.clocks.description if plan.clocks else None)
-    from .peers import fastvideo_info
+    from .peers import fastvideo_info, tk_info
 
-    meta["peers"] = {"fastvideo_kernel": fastvideo_info(),
+    meta["peers"] = {"fastvideo_kernel": fastvideo_info(), "fastvideo_tk": tk_info(),
                      "flex_attention": f"torch {torch.__version__}"}
     out = args.out or default_out(meta, args.shapes, DEFAULT_PRESET[device.type],
                                   args.cases, args.directions)

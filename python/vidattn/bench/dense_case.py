@@ -24,7 +24,14 @@ class DenseInputs(QkvInputs):
 
 
 class VidattnDense(Impl):
-    name, backend, is_ours = "vidattn", "vidattn.attention", True
+    """vidattn.attention; ``deterministic=False`` is the row "vidattn-nondet" (the backward's
+    option: on Hopper one fused kernel that adds dQ in a varying order)."""
+
+    backend, is_ours = "vidattn.attention", True
+
+    def __init__(self, deterministic: bool = True):
+        self.deterministic = deterministic
+        self.name = "vidattn" if deterministic else "vidattn-nondet"
 
     def unavailable_reason(self, device):
         return missing_vidattn_op("attention")
@@ -33,7 +40,7 @@ class VidattnDense(Impl):
         import vidattn  # the bench is part of the package; imported late to keep the cli light
 
         return vidattn.attention(inputs.q, inputs.k, inputs.v, scale=inputs.scale,
-                                 causal=inputs.causal)
+                                 causal=inputs.causal, deterministic=self.deterministic)
 
 
 class SdpaDense(Impl):
@@ -112,7 +119,8 @@ class DenseCase(Case):
 def dense_case(device: torch.device) -> DenseCase:
     if device.type == "cuda":
         # cuDNN is the peer the targets are set against; FA2 and the default dispatch for context.
-        return DenseCase([VidattnDense(), SdpaDense("CUDNN_ATTENTION"),
+        return DenseCase([VidattnDense(), VidattnDense(deterministic=False),
+                          SdpaDense("CUDNN_ATTENTION"),
                           SdpaDense("FLASH_ATTENTION"), SdpaDense()],
                          peer_order=("sdpa-cudnn", "sdpa-flash", "sdpa"))
     return DenseCase([VidattnDense(), SdpaDense()], peer_order=("sdpa",))

@@ -1,5 +1,7 @@
-"""Third-party peers of the sparse cases: FlexAttention (torch) and FastVideo's Triton kernels
-(the ``fastvideo-kernel`` package, used without its compiled extension).
+"""Third-party peers of the sparse cases: FlexAttention (torch), FastVideo's Triton kernels
+(the ``fastvideo-kernel`` package, used without its compiled extension) and FastVideo's
+ThunderKittens Hopper kernel (the module ``tk_vsa`` that tools/peers/thunderkittens_peer.sh
+builds; the bench loads it from the file named by ``VIDATTN_TK_VSA``).
 
 Nothing here is imported by vidattn itself; every peer is optional, and a missing one is
 reported as an unavailable row, not an error.
@@ -45,6 +47,60 @@ def fastvideo_info() -> dict:
         compiled = False
     return {"available": True, "version": getattr(module, "__version__", None),
             "path": getattr(module, "__file__", None), "compiled_extension": compiled}
+
+
+# ---- FastVideo's ThunderKittens kernel (tk_vsa) -----------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _tk_import():
+    import importlib.util
+    import os
+
+    path = os.environ.get("VIDATTN_TK_VSA")
+    if not path:
+        return None, "fastvideo-tk: set VIDATTN_TK_VSA to the tk_vsa.so that " \
+                     "tools/peers/thunderkittens_peer.sh builds"
+    try:
+        spec = importlib.util.spec_from_file_location("tk_vsa", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except Exception as e:  # a missing or broken build is an unavailable peer, not an error
+        return None, f"fastvideo-tk: {path} not loadable ({type(e).__name__}: {str(e)[:120]})"
+    return module, None
+
+
+def tk_module():
+    return _tk_import()[0]
+
+
+def tk_unavailable(device: torch.device) -> Optional[str]:
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != (9, 0):
+        return "fastvideo-tk: sm_90 GPUs only"
+    return _tk_import()[1]
+
+
+def tk_info() -> dict:
+    module, reason = _tk_import()
+    return {"available": module is not None, "reason": reason, "path": getattr(module, "__file__", None)}
+
+
+def invert_selection(q2k_index: torch.Tensor, q2k_count: torch.Tensor,
+                     kv_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The key-tile -> query-tiles lists of a selection: int32 ``[B, H, Kt, MaxQ]`` ascending
+    (unused entries -1) and counts ``[B, H, Kt]``."""
+    B, H, Qt, K = q2k_index.shape
+    slot = torch.arange(K, device=q2k_index.device)
+    valid = slot < q2k_count[..., None].long()
+    mask = torch.zeros(B, H, Qt, kv_tiles + 1, dtype=torch.bool, device=q2k_index.device)
+    mask.scatter_(3, torch.where(valid, q2k_index.long(), kv_tiles), True)
+    k2q = mask[..., :kv_tiles].transpose(2, 3)  # [B, H, Kt, Qt]
+    count = k2q.sum(-1, dtype=torch.int32)
+    max_q = max(int(count.max()), 1)
+    rows = torch.arange(Qt, device=q2k_index.device).expand_as(k2q)
+    order = torch.where(k2q, rows, Qt).sort(-1).values[..., :max_q]
+    index = torch.where(order < Qt, order, -1).to(torch.int32).contiguous()
+    return index, count.contiguous()
 
 
 # ---- FlexAttention ---------------------------------------------------------------------------

@@ -147,7 +147,8 @@ void cuda_attention_backward(const AttentionProblem& p, const TensorView& q,
   if (sm90_dense_fits(p, kp, q, k, v, out) && cuda_dispatch::tma_compatible(grad_out)) {
     bool launched = false;
     dispatch(p, [&](auto t, auto d) {
-      launched = cuda_sm90::launch_dense_backward<decltype(t), decltype(d)::value>(kp, stream);
+      launched = cuda_sm90::launch_dense_backward<decltype(t), decltype(d)::value>(
+          kp, o.deterministic, stream);
     });
     if (launched) return;
   }

@@ -243,7 +243,8 @@ void cuda_block_sparse_backward(const BlockSparseProblem& p, const TensorView& q
     const cuda_sm90::SparseKeyListArgs s = sm90_key_lists(p, q2k_index, q2k_count, o);
     bool launched = false;
     dispatch_dtype_head_dim(p.dtype, p.head_dim, [&](auto t, auto d) {
-      launched = cuda_sm90::launch_sparse_backward<decltype(t), decltype(d)::value>(kp, s, stream);
+      launched = cuda_sm90::launch_sparse_backward<decltype(t), decltype(d)::value>(
+          kp, s, o.deterministic, stream);
     });
     if (launched) return;
   }

@@ -108,10 +108,12 @@ def dense_rows(shapes, fwd_vs_cudnn, ours_only, requires_grad, g):
             rows.append(row)
             print(json.dumps(row), flush=True)
             continue
-        qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        out = vidattn.attention(qg, kg, vg, causal=causal)
-        row["vidattn_bwd"] = tflops(2.5 * fwd_flops, gpu_median_ms(
-            lambda: torch.autograd.grad(out, (qg, kg, vg), go, retain_graph=True)))
+        # The backward both ways: deterministic (the default) and not ("nondet").
+        for key, deterministic in (("vidattn_bwd", True), ("vidattn_nondet_bwd", False)):
+            qg, kg, vg = (t.detach().clone().requires_grad_() for t in (q, k, v))
+            out = vidattn.attention(qg, kg, vg, causal=causal, deterministic=deterministic)
+            row[key] = tflops(2.5 * fwd_flops, gpu_median_ms(
+                lambda: torch.autograd.grad(out, (qg, kg, vg), go, retain_graph=True)))
         qt, kt, vt, got = (t.detach().transpose(1, 2) for t in (q, k, v, go))
         for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
                               ("flash", SDPBackend.FLASH_ATTENTION)):
@@ -172,12 +174,13 @@ def sparse_rows(specs, g):
 def table(rows, sparse):
     nan = float("nan")
     lines = [f"{'shape':>24} {'causal':>6} | {'ours f':>7} {'cudnn f':>7} {'flash f':>7} | "
-             f"{'ours b':>7} {'cudnn b':>7} {'flash b':>7}"]
+             f"{'ours b':>7} {'nondet b':>8} {'cudnn b':>7} {'flash b':>7}"]
     for r in rows:
         lines.append(f"{str(r['shape']):>24} {str(r['causal']):>6} | " + " ".join(
             f"{r.get(k, nan):7.1f}" for k in ("vidattn_fwd", "cudnn_fwd", "flash_fwd"))
             + " | " + " ".join(
-            f"{r.get(k, nan):7.1f}" for k in ("vidattn_bwd", "cudnn_bwd", "flash_bwd")))
+            f"{r.get(k, nan):7.1f}" for k in ("vidattn_bwd", "vidattn_nondet_bwd", "cudnn_bwd",
+                                               "flash_bwd")))
     for r in sparse:
         lines.append(f"sparse {str(r['shape']):>24} tile {r['tile']} sparsity {r['sparsity']}: "
                      f"{r.get('sparse_fwd', nan):7.1f} TFLOP/s (effective)")

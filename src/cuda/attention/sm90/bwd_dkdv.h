@@ -6,7 +6,8 @@
 //   P^T = exp2(S^T scale log2(e) - lse2), dS^T = P^T (dP^T - delta)   (columns = queries)
 //   dV += P^T dO, dK += dS^T Q                            (wgmma RS: P^T, dS^T from registers)
 // and at the end stores dV and scale * dK. Every key has one owner and the blocks are summed in
-// visit order, so the result is the same bits on every run.
+// visit order, so dK and dV are the same bits on every run. With Traits::kFusedDq each block
+// also adds its dQ = dS K into an fp32 workspace (bwd_fused_dq.h), and no dQ kernel runs.
 #pragma once
 
 #include <cmath>
@@ -14,6 +15,7 @@
 #include <cute/tensor.hpp>
 
 #include "bwd_epilogue.h"
+#include "bwd_fused_dq.h"
 #include "bwd_kernel_params.h"
 #include "cuda/common/mma_utils.h"
 #include "cuda/common/tile_io.h"
@@ -112,9 +114,7 @@ __device__ __forceinline__ void zero_tail_rows(TensorQ& sQ, TensorO& sdO, int s,
   }
   cutlass::arch::fence_view_async_shared();
   // Named barriers 1 (one stream) or 1 + stream (two); 0 is __syncthreads.
-  asm volatile("bar.sync %0, %1;\n" ::"r"(1 + (Traits::kStreams == 1 ? 0 : stream)),
-               "r"(kReaders)
-               : "memory");
+  named_barrier_sync(1 + (Traits::kStreams == 1 ? 0 : stream), kReaders);
 }
 
 // k0: the CTA's first key; the stream's tile starts at k0 + row0.
@@ -204,12 +204,23 @@ __device__ __forceinline__ void dkdv_consumer(const BwdKernelParams<Traits>& p,
     warpgroup_fence_operand(tdSrdS);
     warpgroup_gemm(mma_rs, tPrP, tdVrdO(_, _, _, s), tdVrdV, false);
     warpgroup_gemm(mma_rs, tdSrdS, tdKrQ(_, _, _, s), tdKrdK, false);
-    warpgroup_wait<0>();
-    warpgroup_fence_operand(tdVrdV);
-    warpgroup_fence_operand(tdKrdK);
-    Barrier::arrive(&st.empty[s]);
+    auto release_slot = [&] {
+      warpgroup_fence_operand(tdVrdV);
+      warpgroup_fence_operand(tdKrdK);
+      Barrier::arrive(&st.empty[s]);
+    };
+    if constexpr (Traits::kFusedDq) {
+      fused_dq_block<Traits>(p, st, tdSrdS32, qb, i & 1, tid, release_slot);
+    } else {
+      warpgroup_wait<0>();
+      release_slot();
+    }
     ring.advance();
   }
+  // The shared dQ buffers must outlive the reduce-adds that read them, and the dQ convert
+  // kernel must see their sums.
+  if constexpr (Traits::kFusedDq)
+    if (dq_issuer<Traits>(tid)) bulk_wait_all();
 
   // dV and scale * dK (S = scale Q K^T) for the tile's keys of this sequence; a key the policy
   // drops (padding) takes no gradient.

@@ -29,6 +29,16 @@ struct BwdRowStats {
   }
 };
 
+// Fused dQ workspace (BwdTraits::kFusedDq): per (sequence b, query head h) the
+// stats.rows / kCols tiles of kCols query rows, each kDqTileFloats fp32 values in the fragment
+// order of bwd_fused_dq.h. The tile holding rows q0 .. q0 + kCols (q0 a multiple of kCols):
+template <class Traits>
+__host__ __device__ std::int64_t dq_tile_offset(const BwdRowStats& stats, int heads_q,
+                                                std::int64_t b, int h, std::int64_t q0) {
+  return ((b * heads_q + h) * (stats.rows / Traits::kCols) + q0 / Traits::kCols) *
+         Traits::kDqTileFloats;
+}
+
 template <class Traits>
 struct BwdKernelParams {
   cuda_common::AttentionParams attn;
@@ -36,6 +46,9 @@ struct BwdKernelParams {
   // k2q lists from attn).
   SparseKeyListArgs sparse;
   BwdRowStats stats;
+  // Fused dQ (Traits::kFusedDq): the fp32 workspace of dq_tile_offset, zeroed before the
+  // kernel.
+  float* dq_accum = nullptr;
   // The stationary pair (K, V for dK / dV; Q, dO for dQ) and the streamed pair (Q, dO; K, V).
   typename Traits::TmaRows tma_x, tma_y;
   typename Traits::TmaCols tma_u, tma_w;

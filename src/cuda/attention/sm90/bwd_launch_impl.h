@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "bwd_dq_convert.h"
 #include "bwd_kernels.h"
 #include "bwd_launch.h"
 #include "bwd_preprocess.h"
@@ -42,11 +43,63 @@ void launch_bwd_kernel(Kernel kernel, dim3 grid, const BwdKernelParams<Traits>& 
 
 namespace launch_detail {
 
-// The preprocess, then the dK / dV kernel (KeyVisit: its query visit) and the dQ kernel
-// (QueryVisit: the forward's key visit). False when this build holds no sm_90a code.
-template <class T, class Traits, class QueryVisitT, class KeyVisitT>
-bool backward(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStream_t stream) {
+// The dK / dV kernel's view of the problem: K and V stationary, Q and dO streamed.
+template <class Traits>
+BwdKernelParams<Traits> dkdv_params(const AttentionParams& a, const SparseKeyListArgs& sparse,
+                                    const BwdRowStats& stats) {
   using namespace cute;
+  BwdKernelParams<Traits> p;
+  p.attn = a;
+  p.sparse = sparse;
+  p.stats = stats;
+  p.q_rows = static_cast<int>(a.varlen ? a.rows_q : a.seqlen_q);
+  p.kv_rows = static_cast<int>(a.varlen ? a.rows_k : a.seqlen_k);
+  p.tma_batch = a.varlen ? 1 : a.batch;
+  auto view = [&](const void* ptr, int rows, int heads, const RowStrides& st) {
+    return gmem_view<Traits>(ptr, rows, heads, p.tma_batch, st);
+  };
+  const auto cols_layout = take<0, 2>(typename Traits::SmemLayoutCols{});
+  p.tma_x = make_tma_copy(SM90_TMA_LOAD{}, view(a.k, p.kv_rows, a.heads_kv, a.k_strides),
+                          typename Traits::SmemLayoutRows{});
+  p.tma_y = make_tma_copy(SM90_TMA_LOAD{}, view(a.v, p.kv_rows, a.heads_kv, a.v_strides),
+                          typename Traits::SmemLayoutRows{});
+  p.tma_u = make_tma_copy(SM90_TMA_LOAD{}, view(a.q, p.q_rows, a.heads_q, a.q_strides),
+                          cols_layout);
+  p.tma_w = make_tma_copy(SM90_TMA_LOAD{},
+                          view(a.grad_out, p.q_rows, a.heads_q, a.grad_out_strides), cols_layout);
+  return p;
+}
+
+// The dQ kernel's: Q and dO stationary, K and V streamed.
+template <class Traits>
+BwdKernelParams<Traits> dq_params(const AttentionParams& a, const SparseKeyListArgs& sparse,
+                                  const BwdRowStats& stats) {
+  using namespace cute;
+  BwdKernelParams<Traits> p = dkdv_params<Traits>(a, sparse, stats);
+  auto view = [&](const void* ptr, int rows, int heads, const RowStrides& st) {
+    return gmem_view<Traits>(ptr, rows, heads, p.tma_batch, st);
+  };
+  const auto cols_layout = take<0, 2>(typename Traits::SmemLayoutCols{});
+  p.tma_x = make_tma_copy(SM90_TMA_LOAD{}, view(a.q, p.q_rows, a.heads_q, a.q_strides),
+                          typename Traits::SmemLayoutRows{});
+  p.tma_y = make_tma_copy(SM90_TMA_LOAD{},
+                          view(a.grad_out, p.q_rows, a.heads_q, a.grad_out_strides),
+                          typename Traits::SmemLayoutRows{});
+  p.tma_u = make_tma_copy(SM90_TMA_LOAD{}, view(a.k, p.kv_rows, a.heads_kv, a.k_strides),
+                          cols_layout);
+  p.tma_w = make_tma_copy(SM90_TMA_LOAD{}, view(a.v, p.kv_rows, a.heads_kv, a.v_strides),
+                          cols_layout);
+  return p;
+}
+
+// The preprocess, then either the dK / dV kernel (QueryVisitT: its query visit) and the dQ
+// kernel (KeyVisitT: the forward's key visit), deterministic; or, with `fused` (one stream
+// only), the dK / dV kernel that also reduces dQ into an fp32 workspace, and the convert of
+// that workspace. False when this build holds no sm_90a code.
+template <class T, class Traits, class QueryVisitT, class KeyVisitT>
+bool backward(const AttentionParams& a, const SparseKeyListArgs& sparse, bool fused,
+              cudaStream_t stream) {
+  using FusedTraits = BwdTraits<typename Traits::Element, Traits::kHeadDim, 1, true>;
   auto dkdv = sm90_attention_bwd_dkdv_kernel<Traits, QueryVisitT>;
   auto dq = sm90_attention_bwd_dq_kernel<Traits, KeyVisitT>;
   static const bool available = has_sm90a_code(dkdv);
@@ -66,45 +119,41 @@ bool backward(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStr
         <<<bwd_blocks(static_cast<std::int64_t>(entries), 8), 256, 0, stream>>>(a, stats);
     cuda_common::check_cuda(cudaGetLastError(), "sm90 attention backward (preprocess) launch");
   }
+  const dim3 dkdv_grid(bwd_blocks(a.seqlen_k, Traits::kRows), a.heads_kv, a.batch);
 
-  BwdKernelParams<Traits> p;
-  p.attn = a;
-  p.sparse = sparse;
-  p.stats = stats;
-  p.q_rows = static_cast<int>(a.varlen ? a.rows_q : a.seqlen_q);
-  p.kv_rows = static_cast<int>(a.varlen ? a.rows_k : a.seqlen_k);
-  p.tma_batch = a.varlen ? 1 : a.batch;
-  auto view = [&](const void* ptr, int rows, int heads, const RowStrides& st) {
-    return gmem_view<Traits>(ptr, rows, heads, p.tma_batch, st);
-  };
-  using RowsLayout = typename Traits::SmemLayoutRows;
-  const auto cols_layout = take<0, 2>(typename Traits::SmemLayoutCols{});
+  if constexpr (Traits::kStreams == 1) {
+    if (fused) {
+      const std::size_t floats = entries * Traits::kHeadDim;
+      const cuda_common::DeviceWorkspace dq_accum(floats * sizeof(float), stream,
+                                                  "the backward's fp32 dQ");
+      BwdKernelParams<FusedTraits> p = dkdv_params<FusedTraits>(a, sparse, stats);
+      p.dq_accum = dq_accum.as<float>();
+      cuda_common::check_cuda(cudaMemsetAsync(p.dq_accum, 0, floats * sizeof(float), stream),
+                              "sm90 attention backward (dQ workspace) clear");
+      if (a.seqlen_k > 0)
+        launch_bwd_kernel(sm90_attention_bwd_dkdv_kernel<FusedTraits, QueryVisitT>, dkdv_grid, p,
+                          stream, "sm90 attention backward (dK, dV, dQ) launch");
+      if (entries > 0) {
+        sm90_attention_bwd_dq_convert_kernel<FusedTraits>
+            <<<dim3(static_cast<unsigned>(stats.rows / Traits::kCols), a.heads_q, a.batch),
+               FusedTraits::kDqThreads, 0, stream>>>(a, p.dq_accum, stats);
+        cuda_common::check_cuda(cudaGetLastError(),
+                                "sm90 attention backward (dQ convert) launch");
+      }
+#ifdef VIDATTN_TESTING
+      testing::note_sm90_backward_launch();
+#endif
+      return true;
+    }
+  }
 
-  // dK, dV: K and V stationary, Q and dO streamed.
-  p.tma_x = make_tma_copy(SM90_TMA_LOAD{}, view(a.k, p.kv_rows, a.heads_kv, a.k_strides),
-                          RowsLayout{});
-  p.tma_y = make_tma_copy(SM90_TMA_LOAD{}, view(a.v, p.kv_rows, a.heads_kv, a.v_strides),
-                          RowsLayout{});
-  p.tma_u = make_tma_copy(SM90_TMA_LOAD{}, view(a.q, p.q_rows, a.heads_q, a.q_strides),
-                          cols_layout);
-  p.tma_w = make_tma_copy(SM90_TMA_LOAD{},
-                          view(a.grad_out, p.q_rows, a.heads_q, a.grad_out_strides), cols_layout);
   if (a.seqlen_k > 0)
-    launch_bwd_kernel(dkdv, dim3(bwd_blocks(a.seqlen_k, Traits::kRows), a.heads_kv, a.batch), p,
-                      stream, "sm90 attention backward (dK, dV) launch");
-
-  // dQ: Q and dO stationary, K and V streamed.
-  p.tma_x = make_tma_copy(SM90_TMA_LOAD{}, view(a.q, p.q_rows, a.heads_q, a.q_strides),
-                          RowsLayout{});
-  p.tma_y = make_tma_copy(SM90_TMA_LOAD{},
-                          view(a.grad_out, p.q_rows, a.heads_q, a.grad_out_strides), RowsLayout{});
-  p.tma_u = make_tma_copy(SM90_TMA_LOAD{}, view(a.k, p.kv_rows, a.heads_kv, a.k_strides),
-                          cols_layout);
-  p.tma_w = make_tma_copy(SM90_TMA_LOAD{}, view(a.v, p.kv_rows, a.heads_kv, a.v_strides),
-                          cols_layout);
+    launch_bwd_kernel(dkdv, dkdv_grid, dkdv_params<Traits>(a, sparse, stats), stream,
+                      "sm90 attention backward (dK, dV) launch");
   if (a.seqlen_q > 0)
-    launch_bwd_kernel(dq, dim3(bwd_blocks(a.seqlen_q, Traits::kRows), a.heads_q, a.batch), p,
-                      stream, "sm90 attention backward (dQ) launch");
+    launch_bwd_kernel(dq, dim3(bwd_blocks(a.seqlen_q, Traits::kRows), a.heads_q, a.batch),
+                      dq_params<Traits>(a, sparse, stats), stream,
+                      "sm90 attention backward (dQ) launch");
 #ifdef VIDATTN_TESTING
   testing::note_sm90_backward_launch();
 #endif
@@ -114,30 +163,30 @@ bool backward(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStr
 }  // namespace launch_detail
 
 template <class T, int D>
-bool launch_dense_backward(const AttentionParams& a, cudaStream_t stream) {
+bool launch_dense_backward(const AttentionParams& a, bool deterministic, cudaStream_t stream) {
   using Traits = BwdTraits<launch_detail::CutlassElement<T>, D>;
   using Queries = DenseQueryVisit<Traits::kCols, Traits::kRows>;
   // Key padding has an instance of its own (the key flags of the forward's masked kernel).
   if (a.key_mask != nullptr)
     return launch_detail::backward<T, Traits, Queries, DenseVisit<Traits::kCols, true>>(
-        a, SparseKeyListArgs{}, stream);
+        a, SparseKeyListArgs{}, !deterministic, stream);
   return launch_detail::backward<T, Traits, Queries, DenseVisit<Traits::kCols, false>>(
-      a, SparseKeyListArgs{}, stream);
+      a, SparseKeyListArgs{}, !deterministic, stream);
 }
 
 template <class T, int D>
 bool launch_sparse_backward(const AttentionParams& a, const SparseKeyListArgs& s,
-                            cudaStream_t stream) {
+                            bool deterministic, cudaStream_t stream) {
   // 64-token tiles: each consumer warpgroup's 64 rows are a tile of their own, with their own
   // list (two streams); larger tiles hold the CTA's 128 rows and share one list.
   if (s.tile_volume == 64) {
     using Traits = BwdTraits<launch_detail::CutlassElement<T>, D, 2>;
     return launch_detail::backward<T, Traits, SparseQueryVisit<Traits::kCols>,
-                                   SparseVisit<Traits::kCols>>(a, s, stream);
+                                   SparseVisit<Traits::kCols>>(a, s, false, stream);
   }
   using Traits = BwdTraits<launch_detail::CutlassElement<T>, D, 1>;
   return launch_detail::backward<T, Traits, SparseQueryVisit<Traits::kCols>,
-                                 SparseVisit<Traits::kCols>>(a, s, stream);
+                                 SparseVisit<Traits::kCols>>(a, s, !deterministic, stream);
 }
 
 }  // namespace vidattn::cuda_sm90

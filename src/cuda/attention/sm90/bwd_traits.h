@@ -15,6 +15,12 @@
 //   transposed (MmaRS): dV += P^T dO and dK += dS^T Q, or dQ += dS K.
 // So the two kernels share one tile vocabulary: the dK / dV kernel computes S^T (keys as rows),
 // the dQ kernel S (queries as rows).
+// kFusedDq (one stream only): the dK / dV kernel computes dQ too, and no dQ kernel runs. Per
+// query block it writes dS to shared memory (queries as rows), computes dQ_block = dS K with
+// the stationary K, and adds it into an fp32 workspace with a bulk reduce-add (bwd_dkdv.h); a
+// convert kernel scales it to dQ (bwd_dq_convert.h). Five products per block instead of the
+// seven of the two kernels, but the adds of different CTAs land in any order: not
+// deterministic.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -31,7 +37,7 @@
 
 namespace vidattn::cuda_sm90 {
 
-template <class Element_, int kHeadDim_, int kStreams_ = 1>
+template <class Element_, int kHeadDim_, int kStreams_ = 1, bool kFusedDq_ = false>
 struct BwdTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
   static constexpr int kHeadDim = kHeadDim_;
@@ -41,6 +47,8 @@ struct BwdTraits {
   static constexpr int kStages = 2;
   static constexpr int kStreams = kStreams_;
   static_assert(kStreams == 1 || kStreams == kConsumerWGs);
+  static constexpr bool kFusedDq = kFusedDq_;
+  static_assert(!kFusedDq || kStreams == 1, "a fused dQ needs both warpgroups on one block");
   static constexpr int kStreamRows = kRows / kStreams;  // stationary rows per stream
   static constexpr int kSlots = kStages * kStreams;      // ring slots of all streams
   // Arrivals that free a slot: the threads of the warpgroups reading it.
@@ -84,6 +92,38 @@ struct BwdTraits {
       cute::Layout<cute::Shape<cute::Shape<cute::_2, cute::_2, cute::_2>, cute::_1,
                                cute::Int<kCols / 16>>>;
 
+  // Fused dQ: dQ_block (kCols x D) = dS (kCols x kRows keys) K (kRows x D).
+  // D = 128: the warpgroups split D (each 64 x 64 x 128 keys): one fp32 tile per block.
+  // D = 64: a 32-column split would cut the 128-byte swizzle atom of K, so each warpgroup
+  // multiplies its own 64 keys (64 x 64 x 64) and reduces its own partial tile: two per block.
+  // Either way a thread holds 32 fp32 dQ values.
+  static constexpr bool kDqSplitsD = kHeadDim == 128;
+  static constexpr int kDqThreads = kDqSplitsD ? 128 * kConsumerWGs : 128;  // per dQ tile
+  static constexpr int kDqParts = kDqSplitsD ? 1 : kConsumerWGs;  // partial tiles per block
+  static constexpr int kDqKeys = kDqSplitsD ? kRows : 64;  // keys of one dQ product
+  static constexpr int kDqTileFloats = kCols * kHeadDim;
+  // dS with queries contiguous: the accumulator's column pairs are 32-bit stores, and the 128-
+  // byte swizzle spreads a warp's eight key rows over all banks.
+  using SmemLayoutdS = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_MN_SW128_Atom<Element>{},
+      cute::Shape<cute::Int<kCols>, cute::Int<kRows>>{}));
+  // The operands of one dQ product: the whole of the two above (D = 128), or one warpgroup's
+  // 64 keys of them (D = 64), at an offset of whole swizzle atoms.
+  using SmemLayoutdSPart = decltype(cute::tile_to_shape(
+      cute::GMMA::Layout_MN_SW128_Atom<Element>{},
+      cute::Shape<cute::Int<kCols>, cute::Int<kDqKeys>>{}));
+  using SmemLayoutKPartT = decltype(cute::composition(
+      cute::tile_to_shape(SmemAtom{}, cute::Shape<cute::Int<kDqKeys>, cute::Int<kHeadDim>>{}),
+      cute::make_ordered_layout(cute::Shape<cute::Int<kHeadDim>, cute::Int<kDqKeys>>{},
+                                cute::Step<cute::_2, cute::_1>{})));
+  using MmaDq = decltype(cute::make_tiled_mma(
+      cute::GMMA::ss_op_selector<Element, Element, float,
+                                 cute::Shape<cute::Int<kCols>,
+                                             cute::Int<kHeadDim / (kDqSplitsD ? 2 : 1)>,
+                                             cute::Int<kDqKeys>>,
+                                 cute::GMMA::Major::MN, cute::GMMA::Major::MN>(),
+      cute::Layout<cute::Shape<cute::_1, cute::Int<kDqSplitsD ? 2 : 1>, cute::_1>>{}));
+
   // Global tensors as TMA sees them: (rows, head dim, heads, batch), 64-bit strides.
   using GmemLayout =
       cute::Layout<cute::Shape<int32_t, cute::Int<kHeadDim>, int32_t, int32_t>,
@@ -98,6 +138,15 @@ struct BwdTraits {
   static constexpr uint32_t kColsBytes = kCols * kHeadDim * sizeof(Element);
   static constexpr uint32_t kStatsBytes = kCols * sizeof(float);
 
+  // Fused dQ: dS of the current block, and two fp32 dQ buffers (a block's reduce-add reads one
+  // while the next block fills the other). A buffer holds kDqParts tiles, each in the
+  // fragment order of bwd_dq_convert.h.
+  struct DqStorage {
+    cute::array_aligned<Element, cute::cosize_v<SmemLayoutdS>, 1024> ds;
+    cute::array_aligned<float, kDqTileFloats * kDqParts, 128> dq[2];
+  };
+  struct NoDqStorage {};
+
   struct SharedStorage {
     // 1024-byte alignment: the swizzle pattern repeats every 1024 bytes, and TMA and wgmma
     // must agree on where it starts.
@@ -108,6 +157,7 @@ struct BwdTraits {
     alignas(16) float delta[kSlots][kCols];
     uint64_t rows_full;
     uint64_t full[kSlots], empty[kSlots];  // slot stream * kStages + stage
+    std::conditional_t<kFusedDq, DqStorage, NoDqStorage> fused;
   };
   static constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + manual alignment
 };

@@ -1,6 +1,6 @@
 // Helpers of the sm_90a kernels, forward and backward: the mbarrier type and ring positions
-// of the TMA pipelines, warp-uniform values, one warpgroup GEMM as a commit group, and the
-// packing of two fp32 values into one 32-bit word of a 16-bit operand.
+// of the TMA pipelines, warp-uniform values, one warpgroup GEMM as a commit group, named
+// barriers, and the packing of two fp32 values into one 32-bit word of a 16-bit operand.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +51,11 @@ __device__ __forceinline__ void warpgroup_gemm(Mma& mma, TA const& a, TB const& 
   }
   warpgroup_commit_batch();
   warpgroup_fence_operand(c);
+}
+
+// Named barrier `id` (1-15; 0 is __syncthreads) over `threads` threads, a multiple of 32.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 template <class Element>

@@ -4,6 +4,7 @@
 #include "cuda/attention/sm90/bwd_launch_impl.h"
 
 namespace vidattn::cuda_sm90 {
-template bool launch_dense_backward<__half, 128>(const AttentionParams&, cudaStream_t);
+template bool launch_dense_backward<__half, 128>(const AttentionParams&, bool,
+                                                  cudaStream_t);
 }  // namespace vidattn::cuda_sm90
 #endif

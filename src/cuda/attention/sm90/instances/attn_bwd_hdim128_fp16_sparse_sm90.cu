@@ -5,6 +5,7 @@
 
 namespace vidattn::cuda_sm90 {
 template bool launch_sparse_backward<__half, 128>(const AttentionParams&,
-                                                   const SparseKeyListArgs&, cudaStream_t);
+                                                   const SparseKeyListArgs&, bool,
+                                                   cudaStream_t);
 }  // namespace vidattn::cuda_sm90
 #endif

@@ -5,6 +5,7 @@
 
 namespace vidattn::cuda_sm90 {
 template bool launch_sparse_backward<__nv_bfloat16, 64>(const AttentionParams&,
-                                                   const SparseKeyListArgs&, cudaStream_t);
+                                                   const SparseKeyListArgs&, bool,
+                                                   cudaStream_t);
 }  // namespace vidattn::cuda_sm90
 #endif
