@@ -176,7 +176,7 @@ def test_runner_keeps_unimplemented_rows_as_unavailable(tmp_path):
 
 def test_cuda_peers_say_why_they_skip_elsewhere():
     impls = {i.name: i for i in cases_for(torch.device("cuda"))[0].impls}
-    assert set(impls) == {"vidattn", "sdpa", "sdpa-cudnn", "sdpa-flash"}
+    assert set(impls) == {"vidattn", "vidattn-nondet", "sdpa", "sdpa-cudnn", "sdpa-flash"}
     shape = shapes.Shape(1, 1, 8, 8, 8)
     assert impls["sdpa-cudnn"].skip_reason(torch.device("cpu"), torch.bfloat16, shape)
     assert "fp16/bf16" in impls["sdpa-flash"].skip_reason(torch.device("cuda"), torch.float32,

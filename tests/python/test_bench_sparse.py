@@ -306,7 +306,10 @@ def test_runner_marks_unavailable_and_broken_rows_and_catches_a_wrong_peer(tmp_p
 def test_cuda_sparse_peers_are_listed_and_say_why_elsewhere():
     cases = {c.name: c for c in cases_for(torch.device("cuda"))}
     sparse = {i.name: i for i in cases["blocksparse"].impls}
-    assert set(sparse) == {"vidattn", "flex", "fastvideo-triton"}
+    assert set(sparse) == {"vidattn", "flex", "fastvideo-triton", "fastvideo-tk"}
+    assert "sm_90" in sparse["fastvideo-tk"].unavailable_reason(CPU)
+    assert "bf16" in sparse["fastvideo-tk"].skip_reason(CPU, torch.float16,
+                                                        shapes.block_sparse(1, 1, 64, 64, 0.5))
     assert sparse["flex"].layout == sparse["fastvideo-triton"].layout == "bhsd"
     assert "compile" in sparse["flex"].backend
     assert "CUDA only" in sparse["fastvideo-triton"].unavailable_reason(CPU)
@@ -352,7 +355,8 @@ def test_cli_tiny_sparse_rows_json_and_png(tmp_path):
     assert status == {("vidattn", "fwd"): "ok", ("flex", "fwd"): "ok",
                       ("fastvideo-triton", "fwd"): "unavailable", ("vidattn", "bwd"): "ok",
                       ("flex", "bwd"): "unavailable",  # FlexAttention has no CPU backward
-                      ("fastvideo-triton", "bwd"): "unavailable"}
+                      ("fastvideo-triton", "bwd"): "unavailable",
+                      ("fastvideo-tk", "fwd"): "unavailable", ("fastvideo-tk", "bwd"): "unavailable"}
     shape = shapes.PRESETS["tiny-sparse"].shapes[0]
     fwd = 4 * 1 * 3 * 320 * (topk_of(shape) * 64) * 32
     for r in doc["rows"]:
