@@ -164,6 +164,19 @@ __device__ __forceinline__ void dkdv_consumer(const BwdKernelParams<Traits>& p,
   const float scale_log2 = a.scale * cuda_common::kLog2e;
   const int row0 = stream * Traits::kStreamRows;
 
+  // Fused dQ: the thread's two key rows (values 4j + {0, 1} and 4j + {2, 3}) that take no part
+  // in dQ. dK and dV of such a key are zeroed at the store, but their dS is not: its P used the
+  // row's LSE, which left the key out, so it can be anything up to inf, and a key past the
+  // sequence may be the next sequence's.
+  bool key_dead[2] = {false, false};
+  if constexpr (Traits::kFusedDq) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const std::int64_t key = k0 + get<0>(tScS(2 * r));
+      key_dead[r] = key >= seq.len_k || visit.key_dropped(key);
+    }
+  }
+
   const int n = visit.num_blocks();
   if (n > 0) Barrier::wait(&st.rows_full, 0);
   RingState<Traits::kStages> ring;
@@ -210,7 +223,7 @@ __device__ __forceinline__ void dkdv_consumer(const BwdKernelParams<Traits>& p,
       Barrier::arrive(&st.empty[s]);
     };
     if constexpr (Traits::kFusedDq) {
-      fused_dq_block<Traits>(p, st, tdSrdS32, qb, i & 1, tid, release_slot);
+      fused_dq_block<Traits>(p, st, tdSrdS32, key_dead, qb, i & 1, tid, release_slot);
     } else {
       warpgroup_wait<0>();
       release_slot();

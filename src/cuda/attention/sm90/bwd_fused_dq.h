@@ -56,13 +56,15 @@ __device__ __forceinline__ bool dq_issuer(int tid) {
 }
 
 // One query block. ds_words: the thread's dS^T values packed in pairs (pack_pair), in the
-// order of the wgmma accumulator; buf: the dQ buffer, 0/1;
+// order of the wgmma accumulator; key_dead[r]: its key row r (words w with w % 2 = r) takes
+// no part in dQ (masked, padded, past the sequence); buf: the dQ buffer, 0/1;
 // release_slot(): called once the products issued before this call (dV, dK: they read the
 // streamed slot) are complete.
 template <class Traits, class Words, class Release>
 __device__ __forceinline__ void fused_dq_block(const BwdKernelParams<Traits>& p,
                                                typename Traits::SharedStorage& st,
-                                               const Words& ds_words, const QueryBlock& qb,
+                                               const Words& ds_words,
+                                               const bool (&key_dead)[2], const QueryBlock& qb,
                                                int buf, int tid, Release&& release_slot) {
   using namespace cute;
   constexpr int C = Traits::kCols, D = Traits::kHeadDim, KK = Traits::kDqKeys;
@@ -88,9 +90,9 @@ __device__ __forceinline__ void fused_dq_block(const BwdKernelParams<Traits>& p,
     const std::uint32_t base = thread | (static_cast<std::uint32_t>(lane / 4) << 4);
     char* ds = reinterpret_cast<char*>(st.fused.ds.data());
 #pragma unroll
-    for (int w = 0; w < kWords; ++w)
+    for (int w = 0; w < kWords; ++w)  // selected, not overwritten: dK's product reads them
       *reinterpret_cast<std::uint32_t*>(ds + ((base ^ ((w / 2) << 4)) + 1024 * (w % 2))) =
-          ds_words(w);
+          key_dead[w % 2] ? 0u : ds_words(w);
   }
   if (dq_issuer<Traits>(tid)) cute::tma_store_wait<1>();  // buffer `buf` is read out
   cutlass::arch::fence_view_async_shared();
