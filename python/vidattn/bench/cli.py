@@ -32,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
         usage="%(prog)s [MODE] [options]",
         description="Time vidattn against its peers (PyTorch SDPA) and check every result "
                     "against a float64 reference. Prints a table, writes JSON and a PNG.",
-        epilog="Modes (python -m vidattn.bench MODE --help):\n" + modes.describe(),
+        epilog="Modes (python -m vidattn.bench MODE --help):\n" + modes.describe()
+               + "\n\nWhole model: python -m vidattn.bench --e2e [--help]: one denoising step "
+                 "of diffusers'\n  Wan2.1 transformer (1.3B 480p, 14B 720p), inference and "
+                 "training, default\n  attention vs SDPA-cuDNN vs vidattn dense and VSA "
+                 "(e2e_case.py)",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default=None,
                    help="cpu or cuda[:N] (default: cuda when available, else cpu)")
@@ -113,6 +117,10 @@ def default_out(meta: dict, shape_args: Optional[list[str]], default_preset: str
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--e2e" in argv:  # the whole-model benchmark (e2e_case.py) has its own options
+        from .e2e_case import main as e2e_main
+
+        return e2e_main([a for a in argv if a != "--e2e"])
     if argv and argv[0] in modes.MODES:
         return modes.run(argv[0], argv[1:])
     parser = build_parser()

@@ -1,0 +1,465 @@
+"""vidattn inside diffusers' Wan transformer: ``enable(model, mode=...)`` and ``disable(model)``.
+
+::
+
+    import vidattn.integrations.diffusers as vd
+    vd.enable(pipe.transformer, mode="vsa", sparsity=0.9)   # or mode="dense"
+    ...
+    vd.disable(pipe.transformer)                            # the original processors again
+
+diffusers itself is imported only when ``enable`` runs (``vidattn`` imports without it);
+the pinned version is in requirements/dev.txt (0.42.1).
+
+What each mode computes
+-----------------------
+Both modes replace the attention processors of every ``WanTransformerBlock`` (``attn1``,
+the video self-attention, and ``attn2``, the text cross-attention) through diffusers'
+processor mechanism (``model.set_attn_processor``); the linear layers, the q / k RMS norms
+and everything outside attention stay diffusers' own modules.
+
+- ``dense``: the same function as diffusers' ``WanAttnProcessor``: q, k, v projections (fused
+  or not), ``norm_q`` / ``norm_k`` over all heads, RoPE on q and k by ``vidattn.apply_rope``
+  (Wan's tables pair lanes (2i, 2i+1): the interleaved layout), softmax attention by
+  ``vidattn.attention`` at the default scale 1/sqrt(head_dim), output projection. A bool
+  ``attention_mask`` (True = attend) of shape [B, Sk], [B, 1, Sk] or [B, 1, 1, Sk] becomes
+  vidattn's ``key_padding_mask``; Wan's own forward passes none (its pipeline zero-pads the
+  512 text tokens and attends all of them), so this serves callers that do. One difference
+  from SDPA: a query row whose keys are all masked gives 0 here, NaN there. The I2V models'
+  image branch (``add_k_proj``: the first ``len - 512`` context tokens attended separately,
+  keys through ``norm_added_k``, the two results summed) is supported too.
+- ``vsa``: ``attn1`` becomes Video Sparse Attention (docs/vsa.md) over the latent patch grid
+  ``(F / p_t) x (H / p_h) x (W / p_w)`` (``T x H/2 x W/2`` for Wan's (1, 2, 2) patches), cut
+  in ``tile`` tiles (default 4 x 4 x 4), keeping ``ceil((1 - sparsity) * tiles)`` key tiles per
+  query tile. ``attn2`` (text) stays dense on vidattn: VSA is for the video's own tokens.
+
+The gate
+--------
+VSA mixes its two branches as ``out = o_fine + g * o_coarse``, where ``g`` is a linear
+projection of the attention's input (the normalised hidden states), one value per channel of
+every head (``g`` has q's shape), with no nonlinearity. ``enable(..., mode="vsa")`` registers
+it on each ``attn1`` as the submodule ``to_gate_compress`` (``nn.Linear(dim, heads *
+head_dim)``, model dtype and device), so it is trained by the model's optimiser and saved and
+loaded with the model's state dict (keys ``blocks.<i>.attn1.to_gate_compress.weight`` /
+``.bias``). A gate that already exists (a second ``enable``, or one loaded earlier) is kept.
+
+New gates start at **zero** (weight and bias), as the VSA paper's and FastVideo's fine-tuning
+of a dense checkpoint do. So a freshly enabled model computes the fine branch only: each query
+tile attends exactly, with the pretrained weights, the key tiles the coarse scores pick. At
+``sparsity=0`` (every tile kept) that is the dense model itself (within rounding), and at 90%
+it is the closest VSA can start to it; the coarse branch is switched in by training (the gate
+gets a nonzero gradient from the first step, ``grad = grad_out * o_coarse``). Load a VSA-trained
+checkpoint (``load_state_dict`` after ``enable``) to get its trained gates.
+
+The tiling
+----------
+The tiling depends only on the latent shape, so it is built once per forward (and cached per
+shape and device: a denoising loop builds it once): a forward pre-hook on the transformer reads
+the ``hidden_states`` latents [B, C, F, H, W] and puts the tiling in a context object that every
+layer's processor reads. q, k, v and the gate are tiled and the output untiled in each layer: the
+blocks between two self-attentions are token-wise (norms, modulation, text cross-attention,
+FFN), so they could run in tiled order, but Wan's grids are not multiples of 4 (21 x 30 x 52 at
+480p, 21 x 45 x 80 at 720p), and carrying the tiles' padding through the linear layers costs
+22% more tokens at 480p (39,936 slots for 32,760 tokens), far more than the five gathers per
+layer. The last tiling stays current after the forward, so that gradient checkpointing's
+recomputation in the backward finds it; a processor checks that its sequence has the tiling's
+token count and raises otherwise.
+
+Limits
+------
+Sequence-parallel models (diffusers' context parallelism, a processor with a
+``_parallel_config``) are refused: the processors here see whole sequences only
+(``vidattn.DistributedAttention`` is the sequence-parallel layer; wiring it to diffusers'
+parallel config is not done). VSA mode takes no attention mask on ``attn1`` and no batched
+videos of different shapes. diffusers' ``set_attention_backend`` choice is ignored while
+enabled (restored with the original processors).
+
+HunyuanVideo
+------------
+Not wired. ``HunyuanVideoTransformer3DModel`` (diffusers 0.42) runs joint attention: its
+dual-stream blocks (``HunyuanVideoAttnProcessor2_0`` with ``add_q_proj`` / ``add_k_proj`` /
+``add_v_proj``) and single-stream blocks concatenate the video tokens and the (padded) text
+tokens into one sequence, with RoPE (interleaved pairs, ``[S, D]`` real tables) on the video
+part only and an attention mask for the text padding. Dense mode would take one processor that
+computes the projections and norms as diffusers does, applies ``vidattn.apply_rope`` to the
+video rows, and calls ``vidattn.attention`` on the concatenation with the text mask as
+``key_padding_mask`` (a day's work with the same tests). VSA mode is more: the video queries
+must attend the video keys sparsely *and* the text keys densely in one softmax, and the text
+queries everything densely, i.e. VSA's output merged with a dense attention over the text keys
+through their log-sum-exps, which needs ``video_sparse_attention`` to return its LSE (it does
+not today) or a VSA variant with extra dense keys; and its grid is ``T x H/2 x W/2`` of 30 x 48 x
+80 at 720p.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+import vidattn
+
+__all__ = ["enable", "disable", "enabled_mode", "set_latent_grid", "GATE_NAME", "WAN_TEXT_TOKENS",
+           "VidattnWanAttnProcessor", "VidattnWanVSAProcessor"]
+
+MODES = ("dense", "vsa")
+# The gate's submodule name on each attn1: "compression gate" is VSA's term for the weight of
+# the coarse (compressed) branch.
+GATE_NAME = "to_gate_compress"
+# diffusers' WanAttnProcessor hard-codes the text encoder's context length when it splits an
+# I2V model's context into image and text tokens; the split has to be the same here.
+WAN_TEXT_TOKENS = 512
+# Attribute of the model that holds what disable() needs (a plain attribute: not a submodule,
+# so it never reaches the state dict).
+_STATE_ATTR = "_vidattn_diffusers_state"
+# Tilings kept per model (one per latent shape and device): a pipeline uses one or two shapes.
+_TILING_CACHE_SIZE = 8
+
+
+def _wan_classes():
+    """diffusers' Wan classes, imported on first use (vidattn does not need diffusers)."""
+    try:
+        from diffusers.models.transformers.transformer_wan import (WanAttention,
+                                                                   WanTransformer3DModel)
+    except ImportError as e:
+        raise ImportError(
+            "vidattn.integrations.diffusers needs diffusers (requirements/dev.txt pins "
+            "diffusers==0.42.1): pip install diffusers==0.42.1") from e
+    return WanTransformer3DModel, WanAttention
+
+
+# ---------------------------------------------------------------------------------------
+# What both processors share
+
+
+def _projections(attn, hidden_states, context):
+    """q, k, v [B, S, heads * head_dim] as WanAttention's weights give them, fused or not."""
+    if getattr(attn, "fused_projections", False):
+        if not attn.is_cross_attention:
+            return attn.to_qkv(hidden_states).chunk(3, dim=-1)
+        key, value = attn.to_kv(context).chunk(2, dim=-1)
+        return attn.to_q(hidden_states), key, value
+    return attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context)
+
+
+def _rope_tables(rotary_emb, seqlen: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Wan's (cos, sin) [1, S, 1, D] -> vidattn's per-pair tables [S, D/2] (views, no copy).
+
+    WanRotaryPosEmbed repeats each angle over its pair (2i, 2i+1); diffusers' processor reads
+    the cosine from the even lanes and the sine from the odd ones, so the same lanes are read
+    here, which keeps the two equal even for tables that were not built that way."""
+    if (not isinstance(rotary_emb, (tuple, list)) or len(rotary_emb) != 2
+            or not all(isinstance(t, torch.Tensor) for t in rotary_emb)):
+        raise ValueError("rotary_emb: expected a (cos, sin) pair of tensors as "
+                         f"WanRotaryPosEmbed returns, got {type(rotary_emb).__name__}")
+    cos, sin = rotary_emb
+    if cos.dim() != 4 or cos.shape != sin.shape or cos.shape[0] != 1 or cos.shape[2] != 1 \
+            or cos.shape[1] != seqlen or cos.shape[3] % 2:
+        raise ValueError(f"rotary_emb: expected cos and sin of shape [1, {seqlen}, 1, D] with D "
+                         f"even, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    return cos[0, :, 0, 0::2], sin[0, :, 0, 1::2]
+
+
+def _qkv(attn, hidden_states, context, rotary_emb):
+    """Projections, q / k norms (across heads, before the split, as Wan does), the head split
+    to vidattn's [B, S, H, D] and RoPE."""
+    query, key, value = _projections(attn, hidden_states,
+                                     hidden_states if context is None else context)
+    query = attn.norm_q(query)
+    key = attn.norm_k(key)
+    query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))
+    if rotary_emb is not None:
+        cos, sin = _rope_tables(rotary_emb, query.shape[1])
+        if key.shape[1] != query.shape[1]:
+            raise ValueError("rotary_emb: RoPE needs keys at the queries' positions, but k has "
+                             f"{key.shape[1]} tokens and q {query.shape[1]}")
+        query = vidattn.apply_rope(query, cos, sin, interleaved=True)
+        key = vidattn.apply_rope(key, cos, sin, interleaved=True)
+    return query, key, value
+
+
+def _key_padding_mask(attention_mask, batch: int, seqlen_k: int) -> Optional[torch.Tensor]:
+    """A bool mask (True = attend) [B, Sk], [B, 1, Sk] or [B, 1, 1, Sk] (B may be 1) ->
+    vidattn's key_padding_mask [B, Sk]. Other masks (float, per-query) have no vidattn form."""
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dtype != torch.bool:
+        raise ValueError(
+            "attention_mask: vidattn takes a bool key padding mask (True = attend) of shape "
+            f"[B, Sk], [B, 1, Sk] or [B, 1, 1, Sk], got "
+            f"{attention_mask.dtype if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__}")
+    mask = attention_mask
+    while mask.dim() > 2 and mask.shape[1] == 1:
+        mask = mask.squeeze(1)
+    if mask.dim() != 2 or mask.shape[1] != seqlen_k or mask.shape[0] not in (1, batch):
+        raise ValueError(
+            f"attention_mask: expected a key padding mask [B, Sk], [B, 1, Sk] or [B, 1, 1, Sk] "
+            f"with B = {batch} (or 1) and Sk = {seqlen_k}, got {tuple(attention_mask.shape)}")
+    return mask.expand(batch, seqlen_k).contiguous()
+
+
+def _split_image_context(attn, encoder_hidden_states):
+    """(text context, image context or None), split as diffusers' Wan processor splits an I2V
+    model's context: the image tokens first, then WAN_TEXT_TOKENS text tokens."""
+    if attn.add_k_proj is None:
+        return encoder_hidden_states, None
+    if encoder_hidden_states is None or encoder_hidden_states.shape[1] < WAN_TEXT_TOKENS:
+        raise ValueError(
+            "encoder_hidden_states: an attention with an image branch (add_k_proj) needs the "
+            f"image tokens followed by {WAN_TEXT_TOKENS} text tokens, got "
+            f"{None if encoder_hidden_states is None else tuple(encoder_hidden_states.shape)}")
+    n_image = encoder_hidden_states.shape[1] - WAN_TEXT_TOKENS
+    return encoder_hidden_states[:, n_image:], encoder_hidden_states[:, :n_image]
+
+
+def _image_branch(attn, query, image_context):
+    """The I2V image attention: q over the image tokens' keys (through norm_added_k) and values,
+    no mask, no RoPE."""
+    if getattr(attn, "fused_projections", False):
+        key, value = attn.to_added_kv(image_context).chunk(2, dim=-1)
+    else:
+        key, value = attn.add_k_proj(image_context), attn.add_v_proj(image_context)
+    key = attn.norm_added_k(key).unflatten(2, (attn.heads, -1))
+    value = value.unflatten(2, (attn.heads, -1))
+    return vidattn.attention(query, key, value).flatten(2, 3).type_as(query)
+
+
+def _output(attn, out):
+    """to_out: the projection, then the dropout module diffusers keeps beside it."""
+    return attn.to_out[1](attn.to_out[0](out))
+
+
+class VidattnWanAttnProcessor:
+    """Dense WanAttention on vidattn's ops: self-attention (with RoPE) and cross-attention
+    (with an optional bool key padding mask and the I2V image branch). Stateless: one
+    instance serves every layer."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None):
+        text_context, image_context = _split_image_context(attn, encoder_hidden_states)
+        query, key, value = _qkv(attn, hidden_states, text_context, rotary_emb)
+        mask = _key_padding_mask(attention_mask, query.shape[0], key.shape[1])
+        out = vidattn.attention(query, key, value, key_padding_mask=mask)
+        out = out.flatten(2, 3).type_as(query)
+        if image_context is not None:
+            out = out + _image_branch(attn, query, image_context)
+        return _output(attn, out)
+
+
+class _TilingContext:
+    """The tiling of the current forward's latents, shared by every layer's VSA processor.
+
+    ``begin`` runs in a forward pre-hook of the transformer: one tiling per latent shape and
+    device, built on first sight and cached, so the layers never build one."""
+
+    def __init__(self, patch_size, tile):
+        self.patch_size = tuple(int(p) for p in patch_size)
+        self.tile = tuple(int(t) for t in tile)
+        self.current: Optional[vidattn.VideoTiling] = None
+        self._cache: dict = {}
+
+    def grid_of(self, latents: torch.Tensor) -> Tuple[int, int, int]:
+        pt, ph, pw = self.patch_size
+        _, _, frames, height, width = latents.shape
+        return frames // pt, height // ph, width // pw
+
+    def begin(self, latents) -> None:
+        if not isinstance(latents, torch.Tensor) or latents.dim() != 5:
+            raise ValueError("hidden_states: VSA mode needs the latents [B, C, F, H, W] as the "
+                             "transformer's first argument, got "
+                             f"{tuple(latents.shape) if isinstance(latents, torch.Tensor) else type(latents).__name__}")
+        key = (self.grid_of(latents), latents.device)
+        tiling = self._cache.get(key)
+        if tiling is None:
+            if len(self._cache) >= _TILING_CACHE_SIZE:
+                self._cache.pop(next(iter(self._cache)))
+            tiling = vidattn.VideoTiling(grid=key[0], tile=self.tile, device=latents.device)
+            self._cache[key] = tiling
+        self.current = tiling
+
+    def tiling_for(self, seqlen: int, device: torch.device) -> vidattn.VideoTiling:
+        tiling = self.current
+        if tiling is None:
+            raise RuntimeError(
+                "vidattn VSA: no tiling is set. The tiling comes from the latents the "
+                "transformer's forward receives: call the WanTransformer3DModel, not a block "
+                "alone (or set it with vidattn.integrations.diffusers.set_latent_grid)")
+        if tiling.num_tokens != seqlen or tiling.device != device:
+            raise RuntimeError(
+                f"vidattn VSA: the sequence has {seqlen} tokens on {device} but the current "
+                f"tiling {tiling!r} (from the last latents the transformer received) has "
+                f"{tiling.num_tokens} on {tiling.device}; sequence-sharded inputs are not "
+                "supported")
+        return tiling
+
+
+class VidattnWanVSAProcessor:
+    """Video Sparse Attention for a Wan self-attention (attn1), with the layer's gate
+    (``attn.to_gate_compress``) and the tiling of the current forward."""
+
+    def __init__(self, context: _TilingContext, sparsity: float):
+        self.context = context
+        self.sparsity = float(sparsity)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None):
+        if encoder_hidden_states is not None:
+            raise ValueError("encoder_hidden_states: the VSA processor is for Wan's video "
+                             "self-attention (attn1), which takes no context")
+        if attention_mask is not None:
+            raise NotImplementedError("attention_mask: VSA mode takes no mask on the video "
+                                      "self-attention (the tiles' block sizes are its padding)")
+        gate_proj = getattr(attn, GATE_NAME, None)
+        if gate_proj is None:
+            raise RuntimeError(f"vidattn VSA: the attention has no {GATE_NAME} (enable(model, "
+                               "mode='vsa') creates it)")
+        tiling = self.context.tiling_for(hidden_states.shape[1], hidden_states.device)
+        query, key, value = _qkv(attn, hidden_states, None, rotary_emb)
+        gate = gate_proj(hidden_states).unflatten(2, (attn.heads, -1)).to(query.dtype)
+        q, k, v, g = (tiling.tile(t) for t in (query, key, value, gate))
+        out = vidattn.video_sparse_attention(q, k, v, tiling=tiling, sparsity=self.sparsity,
+                                             gate=g)
+        out = tiling.untile(out).flatten(2, 3).type_as(query)
+        return _output(attn, out)
+
+
+class _State:
+    """What enable() changed, for disable(): the original processors by name, the hooks, and
+    the gates this enable created."""
+
+    def __init__(self, mode, sparsity, tile, originals, hooks, context):
+        self.mode, self.sparsity, self.tile = mode, sparsity, tile
+        self.originals, self.hooks, self.context = originals, hooks, context
+
+
+# ---------------------------------------------------------------------------------------
+# enable / disable
+
+
+def _check_model(model):
+    WanTransformer3DModel, WanAttention = _wan_classes()
+    if not isinstance(model, WanTransformer3DModel):
+        raise TypeError("model: expected diffusers' WanTransformer3DModel, got "
+                        f"{type(model).__name__}")
+    for i, block in enumerate(model.blocks):
+        for name in ("attn1", "attn2"):
+            attn = getattr(block, name, None)
+            if not isinstance(attn, WanAttention):
+                raise TypeError(f"model: blocks[{i}].{name} is {type(attn).__name__}, not "
+                                "WanAttention")
+            if getattr(attn.processor, "_parallel_config", None) is not None:
+                raise NotImplementedError(
+                    f"model: blocks[{i}].{name} runs diffusers' context parallelism; vidattn's "
+                    "diffusers processors see whole sequences only")
+
+
+def _check_tile(tile) -> Tuple[int, int, int]:
+    try:
+        t = tuple(int(x) for x in tile)
+    except (TypeError, ValueError):
+        raise ValueError(f"tile: expected three integers (t, h, w), got {tile!r}") from None
+    if len(t) != 3 or min(t) < 1 or t[0] * t[1] * t[2] not in (64, 128, 256):
+        raise ValueError(f"tile: expected three positive integers whose product is 64, 128 or "
+                         f"256 (e.g. (4, 4, 4)), got {tile!r}")
+    return t
+
+
+def _add_gate(attn) -> None:
+    """attn.to_gate_compress = Linear(dim, heads * head_dim), zero (see the module's note)."""
+    if getattr(attn, GATE_NAME, None) is not None:
+        return  # kept: trained or loaded weights
+    out_proj = attn.to_out[0]
+    gate = torch.nn.Linear(out_proj.out_features, attn.inner_dim, bias=True,
+                           device=out_proj.weight.device, dtype=out_proj.weight.dtype)
+    torch.nn.init.zeros_(gate.weight)
+    torch.nn.init.zeros_(gate.bias)
+    attn.add_module(GATE_NAME, gate)
+
+
+def enabled_mode(model) -> Optional[str]:
+    """``"dense"`` or ``"vsa"`` while vidattn's processors are installed on ``model``, else
+    None."""
+    state = getattr(model, _STATE_ATTR, None)
+    return None if state is None else state.mode
+
+
+def enable(model, mode: str = "dense", *, sparsity: float = 0.9, tile=(4, 4, 4)):
+    """Switches a diffusers ``WanTransformer3DModel``'s attention to vidattn; returns the model.
+
+    ``mode="dense"``: every block's self- and cross-attention on ``vidattn.attention``, RoPE on
+    ``vidattn.apply_rope`` (the same function as diffusers' default processor).
+    ``mode="vsa"``: the self-attention as Video Sparse Attention over the latent patch grid in
+    ``tile`` tiles (volume 64, 128 or 256) keeping ``1 - sparsity`` of the key tiles, with a
+    zero-initialised gate ``attn1.to_gate_compress`` per block (a parameter of the model);
+    the cross-attention dense on vidattn. See the module's docstring for the details.
+
+    Enabling an enabled model switches it to the new mode (gates are kept). ``disable`` puts
+    the original processors back.
+    """
+    _check_model(model)
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    try:
+        sparsity = float(sparsity)
+    except (TypeError, ValueError):
+        raise ValueError(f"sparsity: expected a number in [0, 1), got {sparsity!r}") from None
+    if not 0.0 <= sparsity < 1.0:
+        # 1.0 would keep no tile; topk_from_sparsity would clamp it to one, which is not what
+        # the caller asked for.
+        raise ValueError(f"sparsity: expected a number in [0, 1), got {sparsity}")
+    tile = _check_tile(tile)
+    if getattr(model, _STATE_ATTR, None) is not None:
+        disable(model, keep_gates=True)
+
+    originals = dict(model.attn_processors)  # name -> processor object, restored as is
+    dense = VidattnWanAttnProcessor()
+    context = None
+    hooks = []
+    if mode == "vsa":
+        context = _TilingContext(model.config.patch_size, tile)
+        vsa = VidattnWanVSAProcessor(context, sparsity)
+
+        def set_tiling(module, args, kwargs):
+            latents = args[0] if args else kwargs.get("hidden_states")
+            context.begin(latents)
+
+        hooks.append(model.register_forward_pre_hook(set_tiling, with_kwargs=True))
+        for block in model.blocks:
+            _add_gate(block.attn1)
+    processors = dict(originals)
+    for i, block in enumerate(model.blocks):
+        processors[f"blocks.{i}.attn1.processor"] = vsa if mode == "vsa" else dense
+        processors[f"blocks.{i}.attn2.processor"] = dense
+    if set(processors) != set(originals):
+        raise TypeError("model: its attention modules are not named blocks.<i>.attn1 / attn2 "
+                        "as in diffusers' WanTransformer3DModel")
+    model.set_attn_processor(processors)
+    setattr(model, _STATE_ATTR, _State(mode, sparsity, tile, originals, hooks, context))
+    return model
+
+
+def disable(model, *, keep_gates: bool = False):
+    """Puts back the processor objects ``enable`` replaced (the very same objects) and removes
+    its hook. The VSA gates are removed too, so that the model and its state dict are diffusers'
+    own again, unless ``keep_gates=True`` (save them first to keep trained gates). Returns the
+    model."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError("model: vidattn is not enabled on it (nothing to disable)")
+    for hook in state.hooks:
+        hook.remove()
+    # set_attn_processor pops from the dict it gets: hand it a copy.
+    model.set_attn_processor(dict(state.originals))
+    if not keep_gates:
+        for block in model.blocks:
+            if getattr(block.attn1, GATE_NAME, None) is not None:
+                delattr(block.attn1, GATE_NAME)
+    delattr(model, _STATE_ATTR)
+    return model
+
+
+def set_latent_grid(model, latents: torch.Tensor) -> None:
+    """Sets the VSA tiling from ``latents`` [B, C, F, H, W] without a forward of the
+    transformer, for code that calls its blocks directly (tests, custom loops)."""
+    state = getattr(model, _STATE_ATTR, None)
+    if state is None or state.mode != "vsa":
+        raise ValueError("model: vidattn is not enabled in VSA mode on it")
+    state.context.begin(latents)
