@@ -35,8 +35,10 @@
 //   can then reach the outputs of query tiles that did not select its tile.
 // - Zero-size key tiles in the index are skipped (no exp(-inf - -inf)).
 // - A key tile no query selected gets exactly zero dK, dV.
-// - The CPU backward is always deterministic; `deterministic` exists for the CUDA backend,
-//   whose backward is deterministic too (no atomics on dQ, dK, dV; k2q built in a fixed order).
+// - The CPU backward is always deterministic. On CUDA `deterministic = true` keeps it so (no
+//   atomics on dQ, dK, dV; k2q built in a fixed order); false lets the Hopper backward of
+//   128- and 256-token tiles reduce dQ in an order that varies (faster; 64-token tiles and
+//   the portable kernels stay deterministic).
 //
 // CUDA backend (bfloat16 / float16, D = Dv in {64, 128}, tile volumes 64 / 128 / 256, GQA):
 // - Index validation. The CPU checks the index on the host. On CUDA, the forward and the
