@@ -31,6 +31,12 @@ else
   cp build/branch/_vidattn_ops.so python/vidattn/
 fi
 export PYTHONPATH=$(pwd)/python:/tmp/vidattn-site:$(pwd)/${FASTVIDEO_DIR:-.xfer/fv}
+# The ThunderKittens peer builds on the CPUs while the GPU stages run.
+tk_pid=
+if { has peers || has suite; } && [ ! -f "${TK_DIR:-build/tk}/tk_vsa.so" ]; then
+  bash tools/peers/thunderkittens_peer.sh "${TK_DIR:-build/tk}" >"$OUT/tk-build.log" 2>&1 &
+  tk_pid=$!
+fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,power.limit,clocks.max.sm --format=csv,noheader
 echo "ready at $((SECONDS - t0))s"
@@ -54,14 +60,14 @@ if has dense; then
 fi
 if has sanitize; then
   for tool in memcheck racecheck synccheck; do
-    timeout 150 compute-sanitizer --tool $tool --print-limit 5 python3 tools/gpu/sm90_bwd_smoke.py \
+    timeout "${SANITIZE_TIMEOUT:-150}" compute-sanitizer --tool $tool --print-limit 5 python3 tools/gpu/sm90_bwd_smoke.py \
       >"$OUT/$tool.log" 2>&1
     echo "$tool rc=$? at $((SECONDS - t0))s: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/$tool.log" | tail -n 1)"
   done
 fi
 if has peers || has suite; then
-  if [ ! -f "${TK_DIR:-build/tk}/tk_vsa.so" ]; then
-    bash tools/peers/thunderkittens_peer.sh "${TK_DIR:-build/tk}" >"$OUT/tk-build.log" 2>&1
+  if [ -n "$tk_pid" ]; then
+    wait "$tk_pid"
     echo "tk build rc=$? at $((SECONDS - t0))s"
   fi
   export VIDATTN_TK_VSA=$(pwd)/${TK_DIR:-build/tk}/tk_vsa.so
