@@ -74,7 +74,7 @@ if has peers || has suite; then
 fi
 if has peers; then
   timeout "${PEERS_TIMEOUT:-300}" python3 -m vidattn.bench --cases blocksparse --directions bwd \
-    --shapes ${BLOCKSPARSE_SHAPES:-b1h12s39936d128sp0.875,b1h12s39936d128sp0.9} --no-progress \
+    --shapes ${BLOCKSPARSE_SHAPES:-b1h12s39936d128sp0.875,b1h12s39936d128sp0.9} --ref-heads 1 --no-progress \
     --out "$OUT/blocksparse-bwd.json" >"$OUT/peers.log" 2>&1
   echo "peers rc=$? at $((SECONDS - t0))s"
   tail -n 20 "$OUT/peers.log"
