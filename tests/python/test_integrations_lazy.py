@@ -8,7 +8,11 @@ import subprocess
 import sys
 import textwrap
 
-PYTHON_DIR = os.path.join(os.path.dirname(__file__), "..", "..", "python")
+import vidattn
+
+# The vidattn this test session imported (a source tree with its built library, or the
+# installed package): the subprocess must load the same one.
+PYTHON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(vidattn.__file__)))
 
 
 def test_integration_imports_without_diffusers():
