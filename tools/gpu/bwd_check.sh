@@ -34,6 +34,10 @@ export PYTHONPATH=$(pwd)/python:/tmp/vidattn-site:$(pwd)/${FASTVIDEO_DIR:-.xfer/
 # The ThunderKittens peer builds on the CPUs while the GPU stages run.
 tk_pid=
 if { has peers || has suite; } && [ ! -f "${TK_DIR:-build/tk}/tk_vsa.so" ]; then
+  # The GPU machine has no shared/: build from the sources a --copy-only run left in TK_DIR.
+  if [ -z "${TK_SRC:-}" ] && [ -d "${TK_DIR:-build/tk}/src" ]; then
+    rm -rf /tmp/tk-src && cp -r "${TK_DIR:-build/tk}/src" /tmp/tk-src && export TK_SRC=/tmp/tk-src
+  fi
   bash tools/peers/thunderkittens_peer.sh "${TK_DIR:-build/tk}" >"$OUT/tk-build.log" 2>&1 &
   tk_pid=$!
 fi
