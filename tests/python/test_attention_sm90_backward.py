@@ -131,14 +131,19 @@ def test_sm90_backward_varlen_with_empty_sequences(D, causal, deterministic):
             check_rule(name, gt, rr, l, dtype, f, t)
 
 
-def test_sm90_backward_is_deterministic_over_50_runs():
-    """deterministic=True (the default) on the Hopper kernels: 50 reruns, the same bits."""
-    g = gen(6200)
+def rerun_inputs(seed):
+    """q, k, v (leaves requiring grad) and grad_out of the rerun tests: GQA, several blocks."""
+    g = gen(seed)
     B, Sq, Sk, Hq, Hkv, D = 1, 1100, 1300, 8, 2, 128
     q = randn((B, Sq, Hq, D), torch.bfloat16, g, 4.0).requires_grad_()
     k = randn((B, Sk, Hkv, D), torch.bfloat16, g, 4.0).requires_grad_()
     v = randn((B, Sk, Hkv, D), torch.bfloat16, g).requires_grad_()
-    gout = randn((B, Sq, Hq, D), torch.bfloat16, g)
+    return q, k, v, randn((B, Sq, Hq, D), torch.bfloat16, g)
+
+
+def test_sm90_backward_is_deterministic_over_50_runs():
+    """deterministic=True (the default) on the Hopper kernels: 50 reruns, the same bits."""
+    q, k, v, gout = rerun_inputs(6200)
     out = vidattn.attention(q, k, v, causal=True)
     first = None
     before = launches()
@@ -188,12 +193,7 @@ def test_sm90_block_sparse_fused_backward_matches_reference(case):
 def test_sm90_fused_backward_reruns_agree_within_the_rule():
     """deterministic=False: reruns may differ only in the order of dQ's fp32 adds; dK and dV
     have one owner each and stay bit-identical."""
-    g = gen(6300)
-    B, Sq, Sk, Hq, Hkv, D = 1, 1100, 1300, 8, 2, 128
-    q = randn((B, Sq, Hq, D), torch.bfloat16, g, 4.0).requires_grad_()
-    k = randn((B, Sk, Hkv, D), torch.bfloat16, g, 4.0).requires_grad_()
-    v = randn((B, Sk, Hkv, D), torch.bfloat16, g).requires_grad_()
-    gout = randn((B, Sq, Hq, D), torch.bfloat16, g)
+    q, k, v, gout = rerun_inputs(6300)
     out = vidattn.attention(q, k, v, deterministic=False)
     first = torch.autograd.grad(out, (q, k, v), gout, retain_graph=True)
     for _ in range(10):

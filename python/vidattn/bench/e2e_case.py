@@ -373,14 +373,9 @@ def write_plot(path: Path, models: Sequence[dict], title: str) -> None:
     ax.set_xticklabels([f"{m['name']}\n{d}" + (f"\n(extrapolated from {m['timed_layers']} "
                                                f"layers)" if m["timed_layers"] != m["full_layers"]
                                                else "") for m, d in groups], fontsize=7)
-    ax.set_ylabel(f"step time, ms (median); speedup vs {PEER}")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=8)
-    ax.grid(axis="y", alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    from .plot import save_bar_chart
+
+    save_bar_chart(fig, ax, path, f"step time, ms (median); speedup vs {PEER}", title)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

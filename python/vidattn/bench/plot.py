@@ -42,7 +42,14 @@ def write_plot(path: Path, rows: Sequence[dict], title: str) -> None:
     labels = [f"{shape}\n{dtype} {direction}" + ("" if case == "dense" else f"\n{case}")
               for case, shape, dtype, direction in groups]
     ax.set_xticklabels(labels, fontsize=7)
-    ax.set_ylabel("TFLOP/s (median)")
+    save_bar_chart(fig, ax, path, "TFLOP/s (median)", title)
+
+
+def save_bar_chart(fig, ax, path: Path, ylabel: str, title: str) -> None:
+    """The bench's bar charts share their finish: labels, legend, grid, the PNG, closed."""
+    import matplotlib.pyplot as plt
+
+    ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
