@@ -98,7 +98,8 @@ import torch
 import vidattn
 
 __all__ = ["enable", "disable", "enabled_mode", "set_latent_grid", "GATE_NAME", "WAN_TEXT_TOKENS",
-           "VidattnWanAttnProcessor", "VidattnWanVSAProcessor"]
+           "RETILE", "VidattnWanAttnProcessor", "VidattnWanVSAProcessor",
+           "VidattnWanShardedSelfAttnProcessor"]
 
 MODES = ("dense", "vsa")
 # The gate's submodule name on each attn1: "compression gate" is VSA's term for the weight of
@@ -145,17 +146,32 @@ def _rope_tables(rotary_emb, seqlen: int) -> Tuple[torch.Tensor, torch.Tensor]:
 
     WanRotaryPosEmbed repeats each angle over its pair (2i, 2i+1); diffusers' processor reads
     the cosine from the even lanes and the sine from the odd ones, so the same lanes are read
-    here, which keeps the two equal even for tables that were not built that way."""
+    here, which keeps the two equal even for tables that were not built that way.
+
+    Tables that are already per-pair ``[S, D/2]`` (2-D) pass through: those are the tile-order
+    tables that the VSA mode's rope hook hands the blocks when the hidden states travel in tile
+    order (see ``_is_tiled_rope``)."""
     if (not isinstance(rotary_emb, (tuple, list)) or len(rotary_emb) != 2
             or not all(isinstance(t, torch.Tensor) for t in rotary_emb)):
         raise ValueError("rotary_emb: expected a (cos, sin) pair of tensors as "
                          f"WanRotaryPosEmbed returns, got {type(rotary_emb).__name__}")
     cos, sin = rotary_emb
+    if cos.dim() == 2 and cos.shape == sin.shape and cos.shape[0] == seqlen:
+        return cos, sin
     if cos.dim() != 4 or cos.shape != sin.shape or cos.shape[0] != 1 or cos.shape[2] != 1 \
             or cos.shape[1] != seqlen or cos.shape[3] % 2:
         raise ValueError(f"rotary_emb: expected cos and sin of shape [1, {seqlen}, 1, D] with D "
                          f"even, got {tuple(cos.shape)} and {tuple(sin.shape)}")
     return cos[0, :, 0, 0::2], sin[0, :, 0, 1::2]
+
+
+def _is_tiled_rope(rotary_emb) -> bool:
+    """Whether a block received the tile-order per-pair tables [P, D/2] of the VSA mode's
+    rope hook (Wan's own tables are 4-D). The shape, not a flag, says it, so that a block
+    called again by gradient checkpointing's recomputation, or compiled on its own, sees the
+    layout of the arguments it is actually given."""
+    return (isinstance(rotary_emb, (tuple, list)) and len(rotary_emb) == 2
+            and isinstance(rotary_emb[0], torch.Tensor) and rotary_emb[0].dim() == 2)
 
 
 def _qkv(attn, hidden_states, context, rotary_emb):
@@ -244,16 +260,24 @@ class VidattnWanAttnProcessor:
         return _output(attn, out)
 
 
+RETILE = ("auto", "forward", "layer")
+
+
 class _TilingContext:
-    """The tiling of the current forward's latents, shared by every layer's VSA processor.
+    """The tiling of the current forward's latents, shared by every layer's VSA processor and
+    by the hooks that move the hidden states into tile order and back.
 
     ``begin`` runs in a forward pre-hook of the transformer: one tiling per latent shape and
-    device, built on first sight and cached, so the layers never build one."""
+    device, built on first sight and cached, so the layers never build one. It also decides,
+    per forward, whether the hidden states travel between the blocks in tile order
+    (``carry``; see ``enable``'s ``retile``)."""
 
-    def __init__(self, patch_size, tile):
+    def __init__(self, patch_size, tile, retile: str = "auto"):
         self.patch_size = tuple(int(p) for p in patch_size)
         self.tile = tuple(int(t) for t in tile)
+        self.retile = retile
         self.current: Optional[vidattn.VideoTiling] = None
+        self.carry = False
         self._cache: dict = {}
 
     def grid_of(self, latents: torch.Tensor) -> Tuple[int, int, int]:
@@ -274,26 +298,43 @@ class _TilingContext:
             tiling = vidattn.VideoTiling(grid=key[0], tile=self.tile, device=latents.device)
             self._cache[key] = tiling
         self.current = tiling
+        self.carry = self.retile == "forward" or (
+            self.retile == "auto" and tiling.padded_len == tiling.num_tokens)
 
-    def tiling_for(self, seqlen: int, device: torch.device) -> vidattn.VideoTiling:
+    def tiling_for(self, seqlen: int, device: torch.device,
+                   tiled: bool = False) -> vidattn.VideoTiling:
         tiling = self.current
         if tiling is None:
             raise RuntimeError(
                 "vidattn VSA: no tiling is set. The tiling comes from the latents the "
                 "transformer's forward receives: call the WanTransformer3DModel, not a block "
                 "alone (or set it with vidattn.integrations.diffusers.set_latent_grid)")
-        if tiling.num_tokens != seqlen or tiling.device != device:
+        expected = tiling.padded_len if tiled else tiling.num_tokens
+        if expected != seqlen or tiling.device != device:
             raise RuntimeError(
                 f"vidattn VSA: the sequence has {seqlen} tokens on {device} but the current "
                 f"tiling {tiling!r} (from the last latents the transformer received) has "
-                f"{tiling.num_tokens} on {tiling.device}; sequence-sharded inputs are not "
-                "supported")
+                f"{expected} {'tiled slots' if tiled else 'tokens'} on {tiling.device}")
         return tiling
+
+
+def _tile_rows(tiling: vidattn.VideoTiling, x: torch.Tensor) -> torch.Tensor:
+    """[B, S, C] raster -> [B, P, C] tile order (zeros in the padding slots)."""
+    return tiling.tile(x.unsqueeze(2)).squeeze(2)
+
+
+def _untile_rows(tiling: vidattn.VideoTiling, x: torch.Tensor) -> torch.Tensor:
+    """[B, P, C] tile order -> [B, S, C] raster (padding slots dropped)."""
+    return tiling.untile(x.unsqueeze(2)).squeeze(2)
 
 
 class VidattnWanVSAProcessor:
     """Video Sparse Attention for a Wan self-attention (attn1), with the layer's gate
-    (``attn.to_gate_compress``) and the tiling of the current forward."""
+    (``attn.to_gate_compress``) and the tiling of the current forward.
+
+    Its input is in raster order (it tiles q, k, v and the gate and untiles the output), or,
+    when the block was handed tile-order RoPE tables (``_is_tiled_rope``), already in tile
+    order with the tiling's padding slots (it tiles and untiles nothing)."""
 
     def __init__(self, context: _TilingContext, sparsity: float):
         self.context = context
@@ -311,23 +352,135 @@ class VidattnWanVSAProcessor:
         if gate_proj is None:
             raise RuntimeError(f"vidattn VSA: the attention has no {GATE_NAME} (enable(model, "
                                "mode='vsa') creates it)")
-        tiling = self.context.tiling_for(hidden_states.shape[1], hidden_states.device)
+        tiled = _is_tiled_rope(rotary_emb)
+        tiling = self.context.tiling_for(hidden_states.shape[1], hidden_states.device, tiled)
         query, key, value = _qkv(attn, hidden_states, None, rotary_emb)
         gate = gate_proj(hidden_states).unflatten(2, (attn.heads, -1)).to(query.dtype)
-        q, k, v, g = (tiling.tile(t) for t in (query, key, value, gate))
-        out = vidattn.video_sparse_attention(q, k, v, tiling=tiling, sparsity=self.sparsity,
-                                             gate=g)
-        out = tiling.untile(out).flatten(2, 3).type_as(query)
-        return _output(attn, out)
+        if not tiled:
+            query, key, value, gate = (tiling.tile(t) for t in (query, key, value, gate))
+        out = vidattn.video_sparse_attention(query, key, value, tiling=tiling,
+                                             sparsity=self.sparsity, gate=gate)
+        if not tiled:
+            out = tiling.untile(out)
+        return _output(attn, out.flatten(2, 3).type_as(query))
+
+
+# ---------------------------------------------------------------------------------------
+# Sequence parallelism
+
+
+class _ShardContext:
+    """The process group a sequence-parallel model runs over, and the current forward's
+    unsharded sequence length (set where the hidden states are sharded)."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("process_group: torch.distributed is not initialized "
+                             "(dist.init_process_group first)")
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        if self.rank < 0:
+            raise ValueError("process_group: this process is not a member of the group")
+        self.seq_len: Optional[int] = None
+
+    def shard(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[B, S, C] whole -> [B, ceil(S / world), C], this rank's contiguous part (the last
+        ranks' parts padded with zero rows)."""
+        seq_len = hidden_states.shape[1]
+        s_local = -(-seq_len // self.world)
+        self.seq_len = seq_len
+        padded = torch.nn.functional.pad(hidden_states,
+                                         (0, 0, 0, s_local * self.world - seq_len))
+        return padded[:, self.rank * s_local:(self.rank + 1) * s_local]
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.seq_len is None:
+            raise RuntimeError("vidattn: the output head ran before the blocks sharded the "
+                               "sequence")
+        return _GatherSequence.apply(x, self.seq_len, self.group, self.world, self.rank)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All ranks' parts [B, S_local, C] -> the whole [B, S, C] on every rank. Backward: this
+    rank's slice of the gradient, so that when every rank computes the same loss from the
+    whole output, each rank's gradients are those of the loss through its own tokens, and
+    their sum over the group is the single-process gradient."""
+
+    @staticmethod
+    def forward(ctx, x, seq_len, group, world, rank):
+        import torch.distributed as dist
+
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x, group=group)
+        ctx.rank, ctx.s_local = rank, x.shape[1]
+        return torch.cat(parts, dim=1)[:, :seq_len]
+
+    @staticmethod
+    def backward(ctx, grad):
+        start = ctx.rank * ctx.s_local
+        part = grad[:, start:start + ctx.s_local]
+        if part.shape[1] < ctx.s_local:  # padding rows of the last ranks: no gradient
+            part = torch.nn.functional.pad(part, (0, 0, 0, ctx.s_local - part.shape[1]))
+        return part, None, None, None, None
+
+
+class VidattnWanShardedSelfAttnProcessor:
+    """A Wan self-attention (attn1) whose hidden states are this rank's part of the sequence:
+    the projections, q / k norms and gate on the part, then ``vidattn.DistributedAttention``
+    (dense, or VSA with the tiling of the whole grid), which gathers the sequence per head
+    group, applies RoPE with the whole sequence's tables and returns this rank's part."""
+
+    def __init__(self, shards: _ShardContext, tiling_context: Optional[_TilingContext],
+                 sparsity: float):
+        self.shards = shards
+        self.tiling_context = tiling_context
+        self.sparsity = float(sparsity)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None):
+        if encoder_hidden_states is not None or attention_mask is not None:
+            raise ValueError("encoder_hidden_states, attention_mask: the sequence-parallel "
+                             "processor is for Wan's video self-attention (attn1), which takes "
+                             "neither")
+        seq_len = self.shards.seq_len
+        if seq_len is None:
+            raise RuntimeError("vidattn: the sequence-parallel self-attention ran outside a "
+                               "forward of the transformer (its first block shards the "
+                               "sequence)")
+        query, key, value = _projections(attn, hidden_states, hidden_states)
+        query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
+        key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        cos = sin = None
+        if rotary_emb is not None:
+            cos, sin = _rope_tables(rotary_emb, seq_len)
+        gate = None
+        if self.tiling_context is not None:
+            gate_proj = getattr(attn, GATE_NAME, None)
+            if gate_proj is None:
+                raise RuntimeError(f"vidattn VSA: the attention has no {GATE_NAME} "
+                                   "(enable(model, mode='vsa') creates it)")
+            gate = gate_proj(hidden_states).unflatten(2, (attn.heads, -1)).to(query.dtype)
+            tiling = self.tiling_context.tiling_for(seq_len, hidden_states.device)
+            layer = vidattn.DistributedAttention("vsa", group=self.shards.group, tiling=tiling,
+                                                 sparsity=self.sparsity)
+        else:
+            layer = vidattn.DistributedAttention("dense", group=self.shards.group)
+        out = layer(query, key, value, seq_len=seq_len, cos=cos, sin=sin, gate=gate)
+        return _output(attn, out.flatten(2, 3).type_as(query))
 
 
 class _State:
     """What enable() changed, for disable(): the original processors by name, the hooks, and
-    the gates this enable created."""
+    the contexts the processors read."""
 
-    def __init__(self, mode, sparsity, tile, originals, hooks, context):
-        self.mode, self.sparsity, self.tile = mode, sparsity, tile
-        self.originals, self.hooks, self.context = originals, hooks, context
+    def __init__(self, mode, sparsity, tile, retile, originals, hooks, context, shards):
+        self.mode, self.sparsity, self.tile, self.retile = mode, sparsity, tile, retile
+        self.originals, self.hooks, self.context, self.shards = originals, hooks, context, shards
 
 
 # ---------------------------------------------------------------------------------------
@@ -347,8 +500,9 @@ def _check_model(model):
                                 "WanAttention")
             if getattr(attn.processor, "_parallel_config", None) is not None:
                 raise NotImplementedError(
-                    f"model: blocks[{i}].{name} runs diffusers' context parallelism; vidattn's "
-                    "diffusers processors see whole sequences only")
+                    f"model: blocks[{i}].{name} runs diffusers' context parallelism; shard "
+                    "the sequence with vidattn's own instead: enable(model, ..., "
+                    "process_group=group) on a model without diffusers' parallel config")
 
 
 def _check_tile(tile) -> Tuple[int, int, int]:
@@ -374,6 +528,102 @@ def _add_gate(attn) -> None:
     attn.add_module(GATE_NAME, gate)
 
 
+# The blocks' arguments, as WanTransformer3DModel.forward passes them (positionally, also
+# through gradient checkpointing); the hooks read them by position or by name.
+_BLOCK_ARGS = ("hidden_states", "encoder_hidden_states", "temb", "rotary_emb")
+
+
+def _block_arg(args, kwargs, name):
+    i = _BLOCK_ARGS.index(name)
+    return args[i] if len(args) > i else kwargs.get(name)
+
+
+def _replace_block_arg(args, kwargs, name, value):
+    i = _BLOCK_ARGS.index(name)
+    if len(args) > i:
+        args = args[:i] + (value,) + args[i + 1:]
+    else:
+        kwargs = dict(kwargs, **{name: value})
+    return args, kwargs
+
+
+def _latents_of(args, kwargs):
+    return args[0] if args else kwargs.get("hidden_states")
+
+
+def _timestep_of(args, kwargs):
+    return args[1] if len(args) > 1 else kwargs.get("timestep")
+
+
+def _tile_order_hooks(model, context: _TilingContext) -> list:
+    """The hooks that run the blocks in tile order when ``context.carry``: the RoPE tables
+    tiled once (as per-pair tables, which is also what tells the blocks their layout), the
+    hidden states tiled before the first block and untiled after the last, and a per-token
+    timestep embedding (Wan 2.2 TI2V) tiled for each block. Everything else in a block is
+    token-wise or, for the text cross-attention, independent per query, so tile order (with
+    padding slots that nothing reads into a real token) gives every real token the same
+    values."""
+    first, last = model.blocks[0], model.blocks[-1]
+
+    def tile_rope(module, args, output):
+        if not context.carry:
+            return output
+        tiling = context.current
+        cos, sin = _rope_tables(output, tiling.num_tokens)
+        # The per-pair tables are strided views of the full-width ones; the gather wants
+        # unit stride.
+        return tuple(tiling.tile(t.contiguous()[None, :, None, :])[0, :, 0] for t in (cos, sin))
+
+    def enter_block(module, args, kwargs):
+        if not _is_tiled_rope(_block_arg(args, kwargs, "rotary_emb")):
+            return None
+        tiling = context.current
+        if module is first:
+            hidden = _block_arg(args, kwargs, "hidden_states")
+            args, kwargs = _replace_block_arg(args, kwargs, "hidden_states",
+                                              _tile_rows(tiling, hidden))
+        temb = _block_arg(args, kwargs, "temb")
+        if isinstance(temb, torch.Tensor) and temb.dim() == 4:  # [B, S, 6, C]
+            args, kwargs = _replace_block_arg(args, kwargs, "temb", tiling.tile(temb))
+        return args, kwargs
+
+    def leave_block(module, args, kwargs, output):
+        if not _is_tiled_rope(_block_arg(args, kwargs, "rotary_emb")):
+            return output
+        return _untile_rows(context.current, output)
+
+    hooks = [model.rope.register_forward_hook(tile_rope)]
+    for block in model.blocks:
+        hooks.append(block.register_forward_pre_hook(enter_block, with_kwargs=True))
+    hooks.append(last.register_forward_hook(leave_block, with_kwargs=True))
+    return hooks
+
+
+def _shard_hooks(model, shards: _ShardContext) -> list:
+    """The hooks that shard the sequence over the group: the hidden states split before the
+    first block (the RoPE tables stay whole: DistributedAttention applies them to the whole
+    sequence it gathers), the output projection's result gathered back. The same places as
+    diffusers' own context-parallel plan for Wan."""
+
+    def check_timestep(module, args, kwargs):
+        timestep = _timestep_of(args, kwargs)
+        if isinstance(timestep, torch.Tensor) and timestep.dim() == 2:
+            raise NotImplementedError(
+                "timestep: a per-token timestep [B, S] (Wan 2.2 TI2V) is not supported with "
+                "process_group= (the output norm's per-token shift would need sharding too)")
+
+    def shard(module, args, kwargs):
+        hidden = _block_arg(args, kwargs, "hidden_states")
+        return _replace_block_arg(args, kwargs, "hidden_states", shards.shard(hidden))
+
+    def gather(module, args, output):
+        return shards.gather(output)
+
+    return [model.register_forward_pre_hook(check_timestep, with_kwargs=True),
+            model.blocks[0].register_forward_pre_hook(shard, with_kwargs=True),
+            model.proj_out.register_forward_hook(gather)]
+
+
 def enabled_mode(model) -> Optional[str]:
     """``"dense"`` or ``"vsa"`` while vidattn's processors are installed on ``model``, else
     None."""
@@ -381,7 +631,8 @@ def enabled_mode(model) -> Optional[str]:
     return None if state is None else state.mode
 
 
-def enable(model, mode: str = "dense", *, sparsity: float = 0.9, tile=(4, 4, 4)):
+def enable(model, mode: str = "dense", *, sparsity: float = 0.9, tile=(4, 4, 4),
+           retile: str = "auto", process_group=None):
     """Switches a diffusers ``WanTransformer3DModel``'s attention to vidattn; returns the model.
 
     ``mode="dense"``: every block's self- and cross-attention on ``vidattn.attention``, RoPE on
@@ -390,6 +641,23 @@ def enable(model, mode: str = "dense", *, sparsity: float = 0.9, tile=(4, 4, 4))
     ``tile`` tiles (volume 64, 128 or 256) keeping ``1 - sparsity`` of the key tiles, with a
     zero-initialised gate ``attn1.to_gate_compress`` per block (a parameter of the model);
     the cross-attention dense on vidattn. See the module's docstring for the details.
+
+    ``retile`` (VSA mode): where the hidden states are put into tile order and back.
+    ``"forward"``: once per forward (before the first block, after the last), the blocks run
+    on the tiled layout, padding slots included; ``"layer"``: in every self-attention, around
+    VSA; ``"auto"`` (default): once per forward when the grid is whole tiles (tile order is
+    then a pure permutation), in every layer otherwise (the padding slots would cost the
+    linear layers more than the gathers they save; see the module's note). The outputs are the
+    same either way.
+
+    ``process_group``: a ``torch.distributed`` group over which the model's sequence is
+    sharded. Every rank calls the model with the same whole inputs; the first block takes the
+    rank's contiguous part of the tokens, the blocks run on it (the self-attention through
+    ``vidattn.DistributedAttention``, whose heads must divide by the group size), and the
+    output projection's result is gathered, so every rank returns the whole output. Under
+    autograd each rank's parameter gradients are those of its own tokens: all-reduce (sum)
+    them over the group to get the single-process gradient. The tiles of VSA mode are then
+    handled inside DistributedAttention (``retile`` must stay ``"auto"``).
 
     Enabling an enabled model switches it to the new mode (gates are kept). ``disable`` puts
     the original processors back.
@@ -406,6 +674,18 @@ def enable(model, mode: str = "dense", *, sparsity: float = 0.9, tile=(4, 4, 4))
         # the caller asked for.
         raise ValueError(f"sparsity: expected a number in [0, 1), got {sparsity}")
     tile = _check_tile(tile)
+    if retile not in RETILE:
+        raise ValueError(f"retile: expected one of {RETILE}, got {retile!r}")
+    if process_group is not None and retile != "auto":
+        raise ValueError("retile: with process_group= the tiles are DistributedAttention's "
+                         f"business; leave retile='auto', got {retile!r}")
+    shards = _ShardContext(process_group) if process_group is not None else None
+    if shards is not None:
+        heads = model.config.num_attention_heads
+        if heads % shards.world:
+            raise ValueError(f"process_group: its {shards.world} ranks must divide the model's "
+                             f"{heads} attention heads (DistributedAttention gives each rank "
+                             "heads / world of them)")
     if getattr(model, _STATE_ATTR, None) is not None:
         disable(model, keep_gates=True)
 
@@ -414,33 +694,42 @@ def enable(model, mode: str = "dense", *, sparsity: float = 0.9, tile=(4, 4, 4))
     context = None
     hooks = []
     if mode == "vsa":
-        context = _TilingContext(model.config.patch_size, tile)
-        vsa = VidattnWanVSAProcessor(context, sparsity)
+        context = _TilingContext(model.config.patch_size, tile,
+                                 "layer" if shards is not None else retile)
 
         def set_tiling(module, args, kwargs):
-            latents = args[0] if args else kwargs.get("hidden_states")
-            context.begin(latents)
+            context.begin(_latents_of(args, kwargs))
 
         hooks.append(model.register_forward_pre_hook(set_tiling, with_kwargs=True))
+        if shards is None and len(model.blocks):
+            hooks += _tile_order_hooks(model, context)
         for block in model.blocks:
             _add_gate(block.attn1)
+    if shards is not None:
+        hooks += _shard_hooks(model, shards)
+        self_attention = VidattnWanShardedSelfAttnProcessor(shards, context, sparsity)
+    else:
+        self_attention = VidattnWanVSAProcessor(context, sparsity) if mode == "vsa" else dense
     processors = dict(originals)
     for i, block in enumerate(model.blocks):
-        processors[f"blocks.{i}.attn1.processor"] = vsa if mode == "vsa" else dense
+        processors[f"blocks.{i}.attn1.processor"] = self_attention
         processors[f"blocks.{i}.attn2.processor"] = dense
     if set(processors) != set(originals):
+        for hook in hooks:
+            hook.remove()
         raise TypeError("model: its attention modules are not named blocks.<i>.attn1 / attn2 "
                         "as in diffusers' WanTransformer3DModel")
     model.set_attn_processor(processors)
-    setattr(model, _STATE_ATTR, _State(mode, sparsity, tile, originals, hooks, context))
+    setattr(model, _STATE_ATTR,
+            _State(mode, sparsity, tile, retile, originals, hooks, context, shards))
     return model
 
 
 def disable(model, *, keep_gates: bool = False):
     """Puts back the processor objects ``enable`` replaced (the very same objects) and removes
-    its hook. The VSA gates are removed too, so that the model and its state dict are diffusers'
-    own again, unless ``keep_gates=True`` (save them first to keep trained gates). Returns the
-    model."""
+    its hooks. The VSA gates are removed too, so that the model and its state dict are
+    diffusers' own again, unless ``keep_gates=True`` (save them first to keep trained gates).
+    Returns the model."""
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise ValueError("model: vidattn is not enabled on it (nothing to disable)")
@@ -458,7 +747,8 @@ def disable(model, *, keep_gates: bool = False):
 
 def set_latent_grid(model, latents: torch.Tensor) -> None:
     """Sets the VSA tiling from ``latents`` [B, C, F, H, W] without a forward of the
-    transformer, for code that calls its blocks directly (tests, custom loops)."""
+    transformer, for code that calls its blocks directly (tests, custom loops). Blocks called
+    directly take raster-order hidden states and Wan's own RoPE tables."""
     state = getattr(model, _STATE_ATTR, None)
     if state is None or state.mode != "vsa":
         raise ValueError("model: vidattn is not enabled in VSA mode on it")
