@@ -80,3 +80,51 @@ def test_e2e_refuses_the_wan_models_on_the_cpu(capsys):
                 ["--sparsity", "1"]):
         with pytest.raises(SystemExit):
             cli.main(["--e2e", "--device", "cpu", *bad])
+
+
+def test_gpu_script_dry_run(tmp_path):
+    """tools/gpu/e2e.sh, the GPU machine's call, with DRY_RUN=1: the same entry point and
+    arguments on the tiny model on the CPU, JSON and PNG in <OUT>/<device>/ (bench/results'
+    layout), every implementation it names, the training rows at the depth it asks for."""
+    import os
+    import subprocess
+    import sys
+
+    import vidattn
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    package_dir = os.path.dirname(os.path.dirname(os.path.abspath(vidattn.__file__)))
+    env = dict(os.environ, OUT=str(tmp_path), DRY_RUN="1", PYTHON=sys.executable,
+               PACKAGE_DIR=package_dir)
+    done = subprocess.run(["bash", os.path.join(root, "tools", "gpu", "e2e.sh")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    doc = json.loads((folder / "e2e.json").read_text())
+    assert (folder / "e2e.png").stat().st_size > 0
+    by_depth = {(m["name"], m["timed_layers"]): m for m in doc["models"]}
+    assert set(by_depth) == {("tiny", 2), ("tiny", 1)}
+    for (name, depth), model in by_depth.items():
+        directions = {r["direction"] for r in model["rows"]}
+        assert directions == ({"inference"} if depth == 2 else {"training"})
+        rows = {r["impl"]: r for r in model["rows"]}
+        assert set(rows) == set(e2e_case.IMPLS + e2e_case.EXTRA_IMPLS)
+        for impl, row in rows.items():
+            if impl != "sdpa-cudnn":
+                assert row["status"] == "ok" and _finite(row["attention_share"]), row
+                assert row["full_depth_extrapolated"] == (depth == 1)
+
+
+def test_e2e_layers_per_model_and_direction():
+    models, directions = ["tiny", "wan2.1-14b-720p"], list(e2e_case.DIRECTIONS)
+    parser = e2e_case.build_parser()
+    layers = e2e_case.parse_layers("tiny:training=1,wan2.1-14b-720p=4", models, directions,
+                                   parser)
+    assert layers == {("tiny", "inference"): None, ("tiny", "training"): 1,
+                      ("wan2.1-14b-720p", "inference"): 4, ("wan2.1-14b-720p", "training"): 4}
+    assert e2e_case.parse_layers("3", models, directions, parser) == {k: 3 for k in layers}
+    assert e2e_case.parse_layers("tiny:training=0", models, directions,
+                                 parser)[("tiny", "training")] == 0
+    for bad in ("tiny=x", "wan3=2", "tiny:backward=2", "tiny=-1", "0"):
+        with pytest.raises(SystemExit):
+            e2e_case.parse_layers(bad, models, directions, parser)

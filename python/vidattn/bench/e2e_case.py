@@ -11,7 +11,10 @@ training (forward + backward of a fixed output gradient, parameter gradients inc
   (``sdpa_kernel(SDPBackend.CUDNN_ATTENTION)``), the baseline a knowledgeable user picks on
   Hopper;
 - ``vidattn-dense``: ``vidattn.integrations.diffusers.enable(model, "dense")``;
-- ``vidattn-vsa``: ``enable(model, "vsa", sparsity=...)`` (90% by default).
+- ``vidattn-vsa``: ``enable(model, "vsa", sparsity=...)`` (90% by default; ``retile="auto"``,
+  which at the Wan grids, not multiples of the 4 x 4 x 4 tile, tiles in every layer);
+- ``vidattn-vsa-tiled`` (not in the default list): the same with ``retile="forward"``, the
+  blocks in tile order, tiled once per forward, padding slots included.
 
 Models: ``wan2.1-1.3b-480p`` (latents 1 x 16 x 21 x 60 x 104, 512 text tokens) and
 ``wan2.1-14b-720p`` (1 x 16 x 21 x 90 x 160); ``tiny`` is a 2-layer toy for the CPU smoke test.
@@ -24,7 +27,9 @@ step spent in attention. The output of vidattn dense is compared with diffusers'
 same weights and inputs.
 
 Depth: ``--e2e-layers N`` builds N blocks instead of the config's (the 14B at 720p does not
-train in 80 GB whole). A 0-layer model (embeddings and output head only) is timed too, so each
+train in 80 GB whole); ``--e2e-layers MODEL[:DIRECTION]=N,...`` sets it per model and
+direction (the rest at full depth; 0 leaves it out), e.g.
+``wan2.1-1.3b-480p:training=8,wan2.1-14b-720p=4``. A 0-layer model (embeddings and output head only) is timed too, so each
 row reports the measured step at N layers, the per-layer time ``(T_N - T_0) / N`` and, where N
 is less than the full depth, the full-depth step **extrapolated** as ``T_0 + L * per_layer``
 (marked ``"full_depth_extrapolated": true`` in the JSON).
@@ -67,6 +72,11 @@ MODELS = {
 }
 GPU_MODELS = ("wan2.1-1.3b-480p", "wan2.1-14b-720p")
 IMPLS = ("diffusers-default", "sdpa-cudnn", "vidattn-dense", "vidattn-vsa")
+# Accepted by --impls, not run by default.
+EXTRA_IMPLS = ("vidattn-vsa-tiled",)
+# impl -> enable()'s arguments besides the sparsity (None: diffusers' own processors).
+VIDATTN_IMPLS = {"vidattn-dense": dict(mode="dense"), "vidattn-vsa": dict(mode="vsa"),
+                 "vidattn-vsa-tiled": dict(mode="vsa", retile="forward")}
 DIRECTIONS = ("inference", "training")
 PEER = "sdpa-cudnn"  # the speedups are against this row, timed in the same run
 
@@ -88,10 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--e2e-models", default=",".join(GPU_MODELS),
                    help=f"comma list of {', '.join(MODELS)} (default: the two Wan2.1 ones)")
-    p.add_argument("--e2e-layers", type=int, default=None, metavar="N",
-                   help="blocks to build and time (default: the config's); below the full "
-                        "depth the full-depth step is extrapolated (and marked so)")
-    p.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
+    p.add_argument("--e2e-layers", default=None, metavar="N|MODEL[:DIRECTION]=N,...",
+                   help="blocks to build and time (default: the config's), for all models or "
+                        "per model and direction; below the full depth the full-depth step is "
+                        "extrapolated (and marked so)")
+    p.add_argument("--impls", default=",".join(IMPLS),
+                   help=f"comma list of {', '.join(IMPLS + EXTRA_IMPLS)} (default: "
+                        f"{', '.join(IMPLS)})")
     p.add_argument("--directions", default=",".join(DIRECTIONS),
                    help="comma list of inference, training")
     p.add_argument("--sparsity", type=float, default=0.9, help="VSA sparsity (default 0.9)")
@@ -106,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None,
                    help="JSON path (default bench/results/<device>/e2e[-<N>layers].json); the "
                         "PNG goes next to it")
+    p.add_argument("--out-dir", type=Path, default=None,
+                   help="write <out-dir>/<device>/e2e[-<N>layers].json (bench/results' "
+                        "layout elsewhere, e.g. a GPU machine's output folder) instead")
     p.add_argument("--no-plot", action="store_true", help="skip the PNG")
     return p
 
@@ -166,13 +182,12 @@ def _switch(model, impl: str, sparsity: float) -> None:
     """Puts ``impl``'s processors on the model (diffusers' own for the SDPA rows)."""
     import vidattn.integrations.diffusers as vd
 
-    wanted = {"vidattn-dense": "dense", "vidattn-vsa": "vsa"}.get(impl)
-    current = vd.enabled_mode(model)
+    wanted = VIDATTN_IMPLS.get(impl)
     if wanted is None:
-        if current is not None:
+        if vd.enabled_mode(model) is not None:
             vd.disable(model)
-    elif wanted != current:
-        vd.enable(model, mode=wanted, sparsity=sparsity)
+    else:  # a switch between two vidattn rows keeps the gates
+        vd.enable(model, sparsity=sparsity, **wanted)
 
 
 def step_fn(model, inputs, direction: str, impl: str, grad_out: Optional[torch.Tensor]):
@@ -352,7 +367,9 @@ def write_plot(path: Path, models: Sequence[dict], title: str) -> None:
     import matplotlib.pyplot as plt
 
     groups = [(m, d) for m in models for d in dict.fromkeys(r["direction"] for r in m["rows"])]
-    impls = list(dict.fromkeys(r["impl"] for m in models for r in m["rows"]))
+    # Rows that ran somewhere (an implementation with no bar would still take a colour).
+    impls = list(dict.fromkeys(r["impl"] for m in models for r in m["rows"]
+                               if r.get("status") == "ok"))
     width = 0.8 / max(len(impls), 1)
     fig, ax = plt.subplots(figsize=(max(6.0, 2.2 * len(groups)), 4.5))
     for i, impl in enumerate(impls):
@@ -378,15 +395,49 @@ def write_plot(path: Path, models: Sequence[dict], title: str) -> None:
     save_bar_chart(fig, ax, path, f"step time, ms (median); speedup vs {PEER}", title)
 
 
+def parse_layers(text: Optional[str], models: Sequence[str], directions: Sequence[str],
+                 parser) -> dict:
+    """--e2e-layers -> {(model, direction): blocks or None (the config's); 0: not run}."""
+    layers = {(m, d): None for m in models for d in directions}
+    if text is None:
+        return layers
+
+    def count(value: str, least: int) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            n = -1
+        if n < least:
+            parser.error(f"--e2e-layers: expected a block count >= {least}, got {value!r}")
+        return n
+
+    if "=" not in text:
+        n = count(text.strip(), 1)
+        return {key: n for key in layers}
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        target, _, value = item.partition("=")
+        name, _, direction = target.strip().partition(":")
+        if name not in MODELS or (direction and direction not in DIRECTIONS):
+            parser.error(f"--e2e-layers: expected MODEL[:DIRECTION]=N with MODEL one of "
+                         f"{', '.join(MODELS)} and DIRECTION one of {', '.join(DIRECTIONS)}, "
+                         f"got {item!r}")
+        n = count(value.strip(), 0)  # 0 leaves that model's direction out
+        for d in ([direction] if direction else directions):
+            if (name, d) in layers:
+                layers[(name, d)] = n
+    return layers
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     models = _csv(args.e2e_models, tuple(MODELS), "--e2e-models", parser)
-    impls = _csv(args.impls, IMPLS, "--impls", parser)
+    impls = _csv(args.impls, IMPLS + EXTRA_IMPLS, "--impls", parser)
     directions = _csv(args.directions, DIRECTIONS, "--directions", parser)
-    if args.e2e_layers is not None and args.e2e_layers < 1:
-        parser.error(f"--e2e-layers must be >= 1, got {args.e2e_layers}")
+    layers = parse_layers(args.e2e_layers, models, directions, parser)
+    if args.out is not None and args.out_dir is not None:
+        parser.error("--out and --out-dir: give one of them")
     if not 0.0 <= args.sparsity < 1.0:
         parser.error(f"--sparsity must be in [0, 1), got {args.sparsity}")
     for name in ("repeats", "warmup"):
@@ -419,8 +470,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         timer = CpuTimer(0 if args.warmup is None else args.warmup, args.repeats or 1)
 
     started = time.perf_counter()
-    results = [run_model(m, args.e2e_layers, impls, directions, device, timer, args.sparsity,
-                         args.seed, not args.no_profile) for m in models]
+    results = []
+    for m in models:
+        # One model build per depth: the directions timed at the same depth share it.
+        depths = dict.fromkeys(layers[(m, d)] for d in directions if layers[(m, d)] != 0)
+        for depth in depths:
+            chosen = [d for d in directions if layers[(m, d)] == depth]
+            results.append(run_model(m, depth, impls, chosen, device, timer, args.sparsity,
+                                     args.seed, not args.no_profile))
     import diffusers
 
     doc = result_doc("e2e", argv, device=device, timer=timer.name, sparsity=args.sparsity,
@@ -431,8 +488,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                      wall_s=round(time.perf_counter() - started, 3))
     out = args.out
     if out is None:
-        tag = "e2e" + (f"-{args.e2e_layers}layers" if args.e2e_layers else "")
-        out = environment.repo_root() / "bench" / "results" / doc["device"] / f"{tag}.json"
+        depths = set(layers.values()) - {0}
+        tag = "e2e" + (f"-{depths.pop()}layers" if len(depths) == 1 and None not in depths
+                       else "")
+        root = args.out_dir if args.out_dir is not None else \
+            environment.repo_root() / "bench" / "results"
+        out = Path(root) / doc["device"] / f"{tag}.json"
     write_json(out, doc)
     print(f"wrote {out}")
     if not args.no_plot:
