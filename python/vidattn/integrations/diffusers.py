@@ -99,7 +99,7 @@ import vidattn
 
 __all__ = ["enable", "disable", "enabled_mode", "set_latent_grid", "GATE_NAME", "WAN_TEXT_TOKENS",
            "RETILE", "VidattnWanAttnProcessor", "VidattnWanVSAProcessor",
-           "VidattnWanShardedSelfAttnProcessor"]
+           "VidattnWanShardedSelfAttnProcessor", "VidattnHunyuanVideoAttnProcessor"]
 
 MODES = ("dense", "vsa")
 # The gate's submodule name on each attn1: "compression gate" is VSA's term for the weight of
@@ -258,6 +258,113 @@ class VidattnWanAttnProcessor:
         if image_context is not None:
             out = out + _image_branch(attn, query, image_context)
         return _output(attn, out)
+
+
+def _hunyuan_classes():
+    """diffusers' HunyuanVideo transformer and its joint-attention processor class, or
+    (None, None) where this diffusers has none."""
+    try:
+        from diffusers.models.transformers.transformer_hunyuan_video import (
+            HunyuanVideoAttnProcessor2_0, HunyuanVideoTransformer3DModel)
+    except ImportError:
+        return None, None
+    return HunyuanVideoTransformer3DModel, HunyuanVideoAttnProcessor2_0
+
+
+def _hunyuan_rope_tables(image_rotary_emb, seqlen: int):
+    """HunyuanVideo's (cos, sin) [S, D] (each angle repeated over its interleaved pair), used
+    as vidattn's full-width tables."""
+    if (not isinstance(image_rotary_emb, (tuple, list)) or len(image_rotary_emb) != 2
+            or not all(isinstance(t, torch.Tensor) for t in image_rotary_emb)):
+        raise ValueError("image_rotary_emb: expected a (cos, sin) pair of tensors as "
+                         "HunyuanVideoRotaryPosEmbed returns, got "
+                         f"{type(image_rotary_emb).__name__}")
+    cos, sin = image_rotary_emb
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != seqlen or cos.shape[1] % 2:
+        raise ValueError(f"image_rotary_emb: expected cos and sin of shape [{seqlen}, D] with D "
+                         f"even, got {tuple(cos.shape)} and {tuple(sin.shape)}")
+    return cos, sin
+
+
+class VidattnHunyuanVideoAttnProcessor:
+    """HunyuanVideo's joint attention on vidattn's ops, the same function as diffusers'
+    ``HunyuanVideoAttnProcessor2_0``: the video tokens and the text tokens in one sequence
+    (dual-stream blocks project the text with ``add_*_proj``; single-stream blocks receive it
+    to concatenate), per-head q / k norms, RoPE (interleaved pairs, full-width tables) on the
+    video rows only by ``vidattn.apply_rope``, the bool text padding mask [B, 1, 1, N] as
+    ``key_padding_mask``, then the split back into video and text outputs. Stateless."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        joined_here = attn.add_q_proj is None and encoder_hidden_states is not None
+        if joined_here:
+            hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+        query, key, value = (proj(hidden_states).unflatten(2, (attn.heads, -1))
+                             for proj in (attn.to_q, attn.to_k, attn.to_v))
+        if attn.norm_q is not None:
+            query = attn.norm_q(query)
+        if attn.norm_k is not None:
+            key = attn.norm_k(key)
+        if image_rotary_emb is not None:
+            n_video = query.shape[1] - (encoder_hidden_states.shape[1] if joined_here else 0)
+            cos, sin = _hunyuan_rope_tables(image_rotary_emb, n_video)
+
+            def rope(x):
+                video = vidattn.apply_rope(x[:, :n_video], cos, sin, interleaved=True)
+                return torch.cat([video, x[:, n_video:]], dim=1) if joined_here else video
+
+            query, key = rope(query), rope(key)
+        if attn.add_q_proj is not None and encoder_hidden_states is not None:
+            text_q, text_k, text_v = (
+                proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+                for proj in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+            if attn.norm_added_q is not None:
+                text_q = attn.norm_added_q(text_q)
+            if attn.norm_added_k is not None:
+                text_k = attn.norm_added_k(text_k)
+            query = torch.cat([query, text_q], dim=1)
+            key = torch.cat([key, text_k], dim=1)
+            value = torch.cat([value, text_v], dim=1)
+        mask = _key_padding_mask(attention_mask, query.shape[0], key.shape[1])
+        out = vidattn.attention(query, key, value, key_padding_mask=mask)
+        out = out.flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return out, encoder_hidden_states
+        n_text = encoder_hidden_states.shape[1]
+        out, text_out = out[:, :-n_text], out[:, -n_text:]
+        if getattr(attn, "to_out", None) is not None:
+            out = attn.to_out[1](attn.to_out[0](out))
+        if getattr(attn, "to_add_out", None) is not None:
+            text_out = attn.to_add_out(text_out)
+        return out, text_out
+
+
+def _enable_hunyuan(model, mode: str, process_group):
+    """enable() for a HunyuanVideoTransformer3DModel: dense mode on every joint attention
+    (the text token refiner's own attentions stay diffusers')."""
+    _, processor_class = _hunyuan_classes()
+    if mode != "dense":
+        raise NotImplementedError(
+            f"mode: HunyuanVideo supports mode='dense' only, got {mode!r} (VSA over its joint "
+            "video + text sequence needs the sparse video keys and the dense text keys in one "
+            "softmax; see the module's docstring)")
+    if process_group is not None:
+        raise NotImplementedError("process_group: sequence parallelism is wired for Wan only")
+    if getattr(model, _STATE_ATTR, None) is not None:
+        disable(model)
+    originals = dict(model.attn_processors)
+    for name, processor in originals.items():
+        if getattr(processor, "_parallel_config", None) is not None:
+            raise NotImplementedError(f"model: {name} runs diffusers' context parallelism; "
+                                      "vidattn's processors see whole sequences only")
+    dense = VidattnHunyuanVideoAttnProcessor()
+    processors = {name: dense if isinstance(processor, processor_class) else processor
+                  for name, processor in originals.items()}
+    if not any(p is dense for p in processors.values()):
+        raise TypeError("model: no HunyuanVideoAttnProcessor2_0 to replace")
+    model.set_attn_processor(processors)
+    setattr(model, _STATE_ATTR, _State(mode, None, None, None, originals, [], None, None))
+    return model
 
 
 RETILE = ("auto", "forward", "layer")
@@ -490,8 +597,8 @@ class _State:
 def _check_model(model):
     WanTransformer3DModel, WanAttention = _wan_classes()
     if not isinstance(model, WanTransformer3DModel):
-        raise TypeError("model: expected diffusers' WanTransformer3DModel, got "
-                        f"{type(model).__name__}")
+        raise TypeError("model: expected diffusers' WanTransformer3DModel or "
+                        f"HunyuanVideoTransformer3DModel, got {type(model).__name__}")
     for i, block in enumerate(model.blocks):
         for name in ("attn1", "attn2"):
             attn = getattr(block, name, None)
@@ -662,9 +769,12 @@ def enable(model, mode: str = "dense", *, sparsity: float = 0.9, tile=(4, 4, 4),
     Enabling an enabled model switches it to the new mode (gates are kept). ``disable`` puts
     the original processors back.
     """
-    _check_model(model)
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    hunyuan_class, _ = _hunyuan_classes()
+    if hunyuan_class is not None and isinstance(model, hunyuan_class):
+        return _enable_hunyuan(model, mode, process_group)
+    _check_model(model)
     try:
         sparsity = float(sparsity)
     except (TypeError, ValueError):
@@ -738,7 +848,7 @@ def disable(model, *, keep_gates: bool = False):
     # set_attn_processor pops from the dict it gets: hand it a copy.
     model.set_attn_processor(dict(state.originals))
     if not keep_gates:
-        for block in model.blocks:
+        for block in getattr(model, "blocks", ()):
             if getattr(block.attn1, GATE_NAME, None) is not None:
                 delattr(block.attn1, GATE_NAME)
     delattr(model, _STATE_ATTR)
