@@ -1,4 +1,6 @@
-"""vidattn inside diffusers' Wan transformer: ``enable(model, mode=...)`` and ``disable(model)``.
+"""vidattn inside diffusers' video transformers: ``enable(model, mode=...)`` and
+``disable(model)``, for ``WanTransformer3DModel`` (dense and VSA) and
+``HunyuanVideoTransformer3DModel`` (dense).
 
 ::
 
@@ -50,44 +52,82 @@ it is the closest VSA can start to it; the coarse branch is switched in by train
 gets a nonzero gradient from the first step, ``grad = grad_out * o_coarse``). Load a VSA-trained
 checkpoint (``load_state_dict`` after ``enable``) to get its trained gates.
 
-The tiling
-----------
+The tiling and tile order
+-------------------------
 The tiling depends only on the latent shape, so it is built once per forward (and cached per
 shape and device: a denoising loop builds it once): a forward pre-hook on the transformer reads
-the ``hidden_states`` latents [B, C, F, H, W] and puts the tiling in a context object that every
-layer's processor reads. q, k, v and the gate are tiled and the output untiled in each layer: the
-blocks between two self-attentions are token-wise (norms, modulation, text cross-attention,
-FFN), so they could run in tiled order, but Wan's grids are not multiples of 4 (21 x 30 x 52 at
-480p, 21 x 45 x 80 at 720p), and carrying the tiles' padding through the linear layers costs
-22% more tokens at 480p (39,936 slots for 32,760 tokens), far more than the five gathers per
-layer. The last tiling stays current after the forward, so that gradient checkpointing's
+the ``hidden_states`` latents [B, C, F, H, W] and puts the tiling in a context object that the
+processors and hooks read.
+
+Where the tokens are put into tile order is ``enable``'s ``retile``:
+
+- ``"forward"``: once per forward. Everything between two of Wan's self-attentions is token-wise
+  (norms, modulation, FFN) or independent per query (the text cross-attention), so the blocks
+  can run on tile-ordered tokens. Hooks at the places diffusers' own context-parallel plan for
+  Wan uses: the ``rope`` module's output is tiled once into per-pair tables ``[P, D/2]``, the
+  first block's ``hidden_states`` are tiled, the last block's output untiled (before the output
+  norm, whose per-token shift in Wan 2.2 TI2V is in raster order), and a per-token timestep
+  embedding ``temb`` [B, S, 6, C] is tiled per block. The processors know the layout from the
+  RoPE tables they get (2-D: tile order), not from a flag, so gradient checkpointing's
+  recomputation and a block compiled on its own see the layout of their actual arguments. The
+  tiled layout has the tiling's padding slots (zero when tiled); they pass through the linear
+  layers with finite values that no real token reads (VSA's pooling and fine branch mask them
+  through ``block_sizes``; padded query rows output 0), and the final untile drops them: real
+  outputs equal the per-layer version's bit for bit, gradients up to the order in which a
+  weight gradient sums its tokens.
+- ``"layer"``: q, k, v and the gate are tiled and the output untiled in each self-attention
+  (five gathers a layer), the rest of the block in raster order.
+- ``"auto"`` (default): ``"forward"`` when the grid is whole tiles (tile order is then a pure
+  permutation: strictly less work), ``"layer"`` otherwise. Wan's grids are not multiples of 4
+  (21 x 30 x 52 at 480p, 21 x 45 x 80 at 720p): tile order would carry 22% more rows through
+  every linear layer (39,936 slots for 32,760 tokens at 480p, 92,160 for 75,600 at 720p),
+  more than the five gathers a layer it saves by a count of bytes and FLOPs; ``python -m
+  vidattn.bench --e2e --impls vidattn-vsa,vidattn-vsa-tiled`` measures both on the GPU.
+
+The last tiling stays current after the forward, so that gradient checkpointing's
 recomputation in the backward finds it; a processor checks that its sequence has the tiling's
-token count and raises otherwise.
+token (or slot) count and raises otherwise.
+
+Sequence parallelism
+--------------------
+``enable(model, mode, process_group=group)`` shards a Wan model's sequence over a
+``torch.distributed`` group: every rank calls the model with the same whole inputs; a pre-hook
+on the first block keeps the rank's contiguous part of the tokens (the last ranks' parts padded
+to equal length), the blocks run on it, the self-attention through
+``vidattn.DistributedAttention`` (dense, or VSA with the tiling of the whole grid; RoPE with
+the whole sequence's tables after its all-to-all; the VSA gate stays on its rank), the text
+cross-attention on the rank's queries against the whole text, and a hook on ``proj_out``
+gathers the output, so every rank returns the whole result. The gather's backward hands each
+rank its own slice of the gradient: when every rank computes the same loss, each rank's
+parameter gradients are those of its own tokens, and their sum over the group (all-reduce) is
+the single-process gradient. The heads must divide by the group size. Refused: diffusers' own
+context parallelism, a per-token timestep (Wan 2.2 TI2V), ``retile="forward"``
+(DistributedAttention tiles the gathered sequence itself).
 
 Limits
 ------
-Sequence-parallel models (diffusers' context parallelism, a processor with a
-``_parallel_config``) are refused: the processors here see whole sequences only
-(``vidattn.DistributedAttention`` is the sequence-parallel layer; wiring it to diffusers'
-parallel config is not done). VSA mode takes no attention mask on ``attn1`` and no batched
-videos of different shapes. diffusers' ``set_attention_backend`` choice is ignored while
-enabled (restored with the original processors).
+VSA mode takes no attention mask on ``attn1`` and no batched videos of different shapes.
+diffusers' ``set_attention_backend`` choice is ignored while enabled (restored with the
+original processors).
 
 HunyuanVideo
 ------------
-Not wired. ``HunyuanVideoTransformer3DModel`` (diffusers 0.42) runs joint attention: its
-dual-stream blocks (``HunyuanVideoAttnProcessor2_0`` with ``add_q_proj`` / ``add_k_proj`` /
-``add_v_proj``) and single-stream blocks concatenate the video tokens and the (padded) text
-tokens into one sequence, with RoPE (interleaved pairs, ``[S, D]`` real tables) on the video
-part only and an attention mask for the text padding. Dense mode would take one processor that
-computes the projections and norms as diffusers does, applies ``vidattn.apply_rope`` to the
-video rows, and calls ``vidattn.attention`` on the concatenation with the text mask as
-``key_padding_mask`` (a day's work with the same tests). VSA mode is more: the video queries
-must attend the video keys sparsely *and* the text keys densely in one softmax, and the text
-queries everything densely, i.e. VSA's output merged with a dense attention over the text keys
-through their log-sum-exps, which needs ``video_sparse_attention`` to return its LSE (it does
-not today) or a VSA variant with extra dense keys; and its grid is ``T x H/2 x W/2`` of 30 x 48 x
-80 at 720p.
+``HunyuanVideoTransformer3DModel`` (diffusers 0.42) runs joint attention: its dual-stream
+blocks (``HunyuanVideoAttnProcessor2_0`` with ``add_q_proj`` / ``add_k_proj`` /
+``add_v_proj``) and single-stream blocks put the video tokens and the (padded) text tokens in
+one sequence, with RoPE (interleaved pairs, ``[S, D]`` tables) on the video part only and a
+bool mask [B, 1, 1, N] for the text padding. ``enable(model, mode="dense")`` replaces every
+such processor by ``VidattnHunyuanVideoAttnProcessor`` (the same function: projections and
+norms as diffusers', ``vidattn.apply_rope`` on the video rows, ``vidattn.attention`` with the
+mask as ``key_padding_mask``); the text token refiner's own attentions stay diffusers'.
+VSA mode is not done: the video queries must attend the video keys sparsely *and* the text
+keys densely in one softmax, and the text queries everything densely, i.e. VSA's output merged
+with a dense attention over the text keys through their log-sum-exps, which needs
+``video_sparse_attention`` to return its LSE (it does not today) or a VSA variant with extra
+dense keys; then the gate and the tiling of the video rows of the joint sequence (grid
+``T x H/2 x W/2``: 30 x 48 x 80 at 720p, 115,200 tokens). Sequence parallelism for it would
+shard the video rows and replicate the text, which is what ``DistributedAttention``'s
+``replicated_q/k/v`` do.
 """
 from __future__ import annotations
 
