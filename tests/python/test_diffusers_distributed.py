@@ -80,7 +80,7 @@ def _parity(mode, rank, world):
 
 
 def _bad_inputs(rank, world):
-    from test_diffusers_integration import tiny_model
+    from test_diffusers_integration import inputs, run, tiny_model
 
     import vidattn.integrations.diffusers as vd
 
@@ -92,6 +92,15 @@ def _bad_inputs(rank, world):
     else:
         raise AssertionError("3 heads over 2 ranks was accepted")
     model = tiny_model(42)
+    vd.enable(model, process_group=dist.group.WORLD)
+    x, _, text = inputs(43)
+    try:
+        run(model, x, torch.zeros(1, 175, dtype=torch.long), text)
+    except NotImplementedError as e:
+        assert "per-token timestep" in str(e), e
+    else:
+        raise AssertionError("a per-token timestep was accepted with a process group")
+    vd.disable(model)
     try:
         vd.enable(model, mode="vsa", retile="forward", process_group=dist.group.WORLD)
     except ValueError as e:

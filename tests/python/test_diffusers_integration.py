@@ -363,6 +363,23 @@ def test_vsa_tile_order_once_per_forward_equals_per_layer(checkpointing):
     assert gp_f[f"blocks.0.attn1.{vd.GATE_NAME}.weight"].abs().max() > 0
 
 
+def test_vsa_tile_order_with_per_token_timesteps():
+    """Wan 2.2 TI2V's per-token timestep [B, S] makes a per-token modulation [B, S, 6, C] in
+    every block: in tile order it is tiled with the hidden states, and the output is the
+    per-layer version's."""
+    x, _, text = inputs(37, torch.float64)
+    timestep = torch.linspace(0, 900, 175).round().long()[None]
+    outs = []
+    for retile in ("layer", "forward"):
+        model = _vsa_model_with_gates(38, retile, layers=2)
+        with torch.no_grad():
+            outs.append(run(model, x, timestep, text))
+    assert torch.equal(outs[0], outs[1])
+    uniform = _vsa_model_with_gates(38, "forward", layers=2)
+    with torch.no_grad():
+        assert (run(uniform, x, torch.tensor([450]), text) - outs[1]).abs().max() > 1e-4
+
+
 def _count_gathers(monkeypatch):
     calls = []
     real = torch.ops.vidattn.gather_tokens
