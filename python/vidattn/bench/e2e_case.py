@@ -29,10 +29,11 @@ same weights and inputs.
 Depth: ``--e2e-layers N`` builds N blocks instead of the config's (the 14B at 720p does not
 train in 80 GB whole); ``--e2e-layers MODEL[:DIRECTION]=N,...`` sets it per model and
 direction (the rest at full depth; 0 leaves it out), e.g.
-``wan2.1-1.3b-480p:training=8,wan2.1-14b-720p=4``. A 0-layer model (embeddings and output head only) is timed too, so each
-row reports the measured step at N layers, the per-layer time ``(T_N - T_0) / N`` and, where N
-is less than the full depth, the full-depth step **extrapolated** as ``T_0 + L * per_layer``
-(marked ``"full_depth_extrapolated": true`` in the JSON).
+``wan2.1-1.3b-480p:training=8,wan2.1-14b-720p=4``. A 0-layer model (embeddings and output
+head only) is timed too, so each row reports the measured step at N layers, the per-layer time
+``(T_N - T_0) / N`` and, where N is less than the full depth, the full-depth step
+**extrapolated** as ``T_0 + L * per_layer`` (marked ``"full_depth_extrapolated": true`` in the
+JSON).
 """
 from __future__ import annotations
 
