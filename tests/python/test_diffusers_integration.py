@@ -380,6 +380,29 @@ def test_vsa_tile_order_with_per_token_timesteps():
         assert (run(uniform, x, torch.tensor([450]), text) - outs[1]).abs().max() > 1e-4
 
 
+def test_vsa_deep_copy_runs_on_its_own_state():
+    """A deep copy of an enabled model (an EMA copy, say) has hooks that act on the copy's own
+    tiling (a grid the copy had not seen when it was made), computes what the original does,
+    and disabling it removes its hooks, not the original's."""
+    model = _vsa_model_with_gates(39, "forward", layers=2)
+    x, t, text = inputs(40, torch.float64)
+    other = inputs(41, torch.float64, latent=(1, 4, 4, 8, 8))
+    hooks = [len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules()]
+    with torch.no_grad():
+        expected = run(model, x, t, text)
+        twin = copy.deepcopy(model)
+        expected_other = run(model, *other)
+        assert torch.equal(run(twin, *other), expected_other)
+        assert torch.equal(run(twin, x, t, text), expected)
+        vd.disable(twin)
+        assert all(len(m._forward_pre_hooks) + len(m._forward_hooks) == 0
+                   for m in twin.modules())
+        assert [len(m._forward_pre_hooks) + len(m._forward_hooks)
+                for m in model.modules()] == hooks
+        assert torch.equal(run(model, *other), expected_other)
+        assert not torch.equal(run(twin, x, t, text), expected)  # diffusers' own again
+
+
 def _count_gathers(monkeypatch):
     calls = []
     real = torch.ops.vidattn.gather_tokens

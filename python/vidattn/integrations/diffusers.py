@@ -131,6 +131,7 @@ shard the video rows and replicate the text, which is what ``DistributedAttentio
 """
 from __future__ import annotations
 
+import copy
 from typing import Optional, Tuple
 
 import torch
@@ -533,6 +534,12 @@ class _ShardContext:
             raise ValueError("process_group: this process is not a member of the group")
         self.seq_len: Optional[int] = None
 
+    def __deepcopy__(self, memo):
+        # A deep copy of the model (an EMA copy, say) runs over the same process group.
+        twin = copy.copy(self)
+        memo[id(self)] = twin
+        return twin
+
     def shard(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[B, S, C] whole -> [B, ceil(S / world), C], this rank's contiguous part (the last
         ranks' parts padded with zero rows)."""
@@ -702,6 +709,93 @@ def _timestep_of(args, kwargs):
     return args[1] if len(args) > 1 else kwargs.get("timestep")
 
 
+# The hooks read what they need from an attribute of the module they run on, not from a
+# closure: a deep copy of an enabled model (an EMA copy, say) then carries hooks that act on the
+# copy's own state, and disable() removes them by id from the modules of the model it is given.
+_HOOK_ATTR = "_vidattn_hook_state"
+
+
+def _set_tiling(model, args, kwargs):
+    getattr(model, _STATE_ATTR).context.begin(_latents_of(args, kwargs))
+
+
+def _tile_rope(module, args, output):
+    context = getattr(module, _HOOK_ATTR)
+    if not context.carry:
+        return output
+    tiling = context.current
+    cos, sin = _rope_tables(output, tiling.num_tokens)
+    # The per-pair tables are strided views of the full-width ones; the gather wants unit
+    # stride.
+    return tuple(tiling.tile(t.contiguous()[None, :, None, :])[0, :, 0] for t in (cos, sin))
+
+
+def _enter_block(module, args, kwargs):
+    if not _is_tiled_rope(_block_arg(args, kwargs, "rotary_emb")):
+        return None
+    context, first, _ = getattr(module, _HOOK_ATTR)
+    tiling = context.current
+    if first:
+        hidden = _block_arg(args, kwargs, "hidden_states")
+        args, kwargs = _replace_block_arg(args, kwargs, "hidden_states",
+                                          _tile_rows(tiling, hidden))
+    temb = _block_arg(args, kwargs, "temb")
+    if isinstance(temb, torch.Tensor) and temb.dim() == 4:  # [B, S, 6, C]
+        args, kwargs = _replace_block_arg(args, kwargs, "temb", tiling.tile(temb))
+    return args, kwargs
+
+
+def _leave_block(module, args, kwargs, output):
+    context, _, last = getattr(module, _HOOK_ATTR)
+    if not last or not _is_tiled_rope(_block_arg(args, kwargs, "rotary_emb")):
+        return output
+    return _untile_rows(context.current, output)
+
+
+def _check_timestep(model, args, kwargs):
+    timestep = _timestep_of(args, kwargs)
+    if isinstance(timestep, torch.Tensor) and timestep.dim() == 2:
+        raise NotImplementedError(
+            "timestep: a per-token timestep [B, S] (Wan 2.2 TI2V) is not supported with "
+            "process_group= (the output norm's per-token shift would need sharding too)")
+
+
+def _shard_input(module, args, kwargs):
+    hidden = _block_arg(args, kwargs, "hidden_states")
+    shards = getattr(module, _HOOK_ATTR)
+    return _replace_block_arg(args, kwargs, "hidden_states", shards.shard(hidden))
+
+
+def _gather_output(module, args, output):
+    return getattr(module, _HOOK_ATTR).gather(output)
+
+
+def _register(model, module, kind: str, hook, state=None) -> tuple:
+    """Registers ``hook`` (kind "pre" or "post", with kwargs where the hook takes them) on
+    ``module`` of ``model``, with ``state`` in the module's hook attribute; returns the record
+    disable() needs: (the module's name in the model, the hook's id)."""
+    names = {id(m): name for name, m in model.named_modules()}
+    with_kwargs = hook in (_set_tiling, _enter_block, _leave_block, _check_timestep,
+                           _shard_input)
+    if kind == "pre":
+        handle = module.register_forward_pre_hook(hook, with_kwargs=with_kwargs)
+    else:
+        handle = module.register_forward_hook(hook, with_kwargs=with_kwargs)
+    if state is not None:
+        setattr(module, _HOOK_ATTR, state)
+    return names[id(module)], handle.id
+
+
+def _unregister(model, records) -> None:
+    for name, hook_id in records:
+        module = model.get_submodule(name) if name else model
+        for table in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                      "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+            getattr(module, table, {}).pop(hook_id, None)
+        if module is not model and _HOOK_ATTR in module.__dict__:
+            delattr(module, _HOOK_ATTR)
+
+
 def _tile_order_hooks(model, context: _TilingContext) -> list:
     """The hooks that run the blocks in tile order when ``context.carry``: the RoPE tables
     tiled once (as per-pair tables, which is also what tells the blocks their layout), the
@@ -710,40 +804,13 @@ def _tile_order_hooks(model, context: _TilingContext) -> list:
     token-wise or, for the text cross-attention, independent per query, so tile order (with
     padding slots that nothing reads into a real token) gives every real token the same
     values."""
-    first, last = model.blocks[0], model.blocks[-1]
-
-    def tile_rope(module, args, output):
-        if not context.carry:
-            return output
-        tiling = context.current
-        cos, sin = _rope_tables(output, tiling.num_tokens)
-        # The per-pair tables are strided views of the full-width ones; the gather wants
-        # unit stride.
-        return tuple(tiling.tile(t.contiguous()[None, :, None, :])[0, :, 0] for t in (cos, sin))
-
-    def enter_block(module, args, kwargs):
-        if not _is_tiled_rope(_block_arg(args, kwargs, "rotary_emb")):
-            return None
-        tiling = context.current
-        if module is first:
-            hidden = _block_arg(args, kwargs, "hidden_states")
-            args, kwargs = _replace_block_arg(args, kwargs, "hidden_states",
-                                              _tile_rows(tiling, hidden))
-        temb = _block_arg(args, kwargs, "temb")
-        if isinstance(temb, torch.Tensor) and temb.dim() == 4:  # [B, S, 6, C]
-            args, kwargs = _replace_block_arg(args, kwargs, "temb", tiling.tile(temb))
-        return args, kwargs
-
-    def leave_block(module, args, kwargs, output):
-        if not _is_tiled_rope(_block_arg(args, kwargs, "rotary_emb")):
-            return output
-        return _untile_rows(context.current, output)
-
-    hooks = [model.rope.register_forward_hook(tile_rope)]
-    for block in model.blocks:
-        hooks.append(block.register_forward_pre_hook(enter_block, with_kwargs=True))
-    hooks.append(last.register_forward_hook(leave_block, with_kwargs=True))
-    return hooks
+    records = [_register(model, model.rope, "post", _tile_rope, context)]
+    last = len(model.blocks) - 1
+    for i, block in enumerate(model.blocks):
+        records.append(_register(model, block, "pre", _enter_block, (context, i == 0, i == last)))
+        if i == last:
+            records.append(_register(model, block, "post", _leave_block))
+    return records
 
 
 def _shard_hooks(model, shards: _ShardContext) -> list:
@@ -751,24 +818,9 @@ def _shard_hooks(model, shards: _ShardContext) -> list:
     first block (the RoPE tables stay whole: DistributedAttention applies them to the whole
     sequence it gathers), the output projection's result gathered back. The same places as
     diffusers' own context-parallel plan for Wan."""
-
-    def check_timestep(module, args, kwargs):
-        timestep = _timestep_of(args, kwargs)
-        if isinstance(timestep, torch.Tensor) and timestep.dim() == 2:
-            raise NotImplementedError(
-                "timestep: a per-token timestep [B, S] (Wan 2.2 TI2V) is not supported with "
-                "process_group= (the output norm's per-token shift would need sharding too)")
-
-    def shard(module, args, kwargs):
-        hidden = _block_arg(args, kwargs, "hidden_states")
-        return _replace_block_arg(args, kwargs, "hidden_states", shards.shard(hidden))
-
-    def gather(module, args, output):
-        return shards.gather(output)
-
-    return [model.register_forward_pre_hook(check_timestep, with_kwargs=True),
-            model.blocks[0].register_forward_pre_hook(shard, with_kwargs=True),
-            model.proj_out.register_forward_hook(gather)]
+    return [_register(model, model, "pre", _check_timestep),
+            _register(model, model.blocks[0], "pre", _shard_input, shards),
+            _register(model, model.proj_out, "post", _gather_output, shards)]
 
 
 def enabled_mode(model) -> Optional[str]:
@@ -846,11 +898,7 @@ def enable(model, mode: str = "dense", *, sparsity: float = 0.9, tile=(4, 4, 4),
     if mode == "vsa":
         context = _TilingContext(model.config.patch_size, tile,
                                  "layer" if shards is not None else retile)
-
-        def set_tiling(module, args, kwargs):
-            context.begin(_latents_of(args, kwargs))
-
-        hooks.append(model.register_forward_pre_hook(set_tiling, with_kwargs=True))
+        hooks.append(_register(model, model, "pre", _set_tiling))
         if shards is None and len(model.blocks):
             hooks += _tile_order_hooks(model, context)
         for block in model.blocks:
@@ -865,8 +913,7 @@ def enable(model, mode: str = "dense", *, sparsity: float = 0.9, tile=(4, 4, 4),
         processors[f"blocks.{i}.attn1.processor"] = self_attention
         processors[f"blocks.{i}.attn2.processor"] = dense
     if set(processors) != set(originals):
-        for hook in hooks:
-            hook.remove()
+        _unregister(model, hooks)
         raise TypeError("model: its attention modules are not named blocks.<i>.attn1 / attn2 "
                         "as in diffusers' WanTransformer3DModel")
     model.set_attn_processor(processors)
@@ -883,8 +930,7 @@ def disable(model, *, keep_gates: bool = False):
     state = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise ValueError("model: vidattn is not enabled on it (nothing to disable)")
-    for hook in state.hooks:
-        hook.remove()
+    _unregister(model, state.hooks)
     # set_attn_processor pops from the dict it gets: hand it a copy.
     model.set_attn_processor(dict(state.originals))
     if not keep_gates:
