@@ -30,8 +30,26 @@ struct AttentionArgs {
   OptTensor cu_seqlens_q, cu_seqlens_k;            // varlen ops
   int64_t max_seqlen_q = 0, max_seqlen_k = 0;
   bool deterministic = true;  // the backward's; saved by the forward for it
+  bool validate_index = true;  // varlen forward: check cu_seqlens on the device (CUDA)
   bool varlen() const { return cu_seqlens_q.has_value(); }
 };
+
+// check_same_device over q, k, v, the attention arguments and (backward) the others.
+void check_devices(const char* fn, const Tensor& q, const Tensor& k, const Tensor& v,
+                   const AttentionArgs& a, const Tensor* grad_out = nullptr,
+                   const Tensor* out = nullptr, const Tensor* lse = nullptr) {
+  const Tensor none;
+  check_same_device(fn, {{"q", q},
+                         {"k", k},
+                         {"v", v},
+                         {"key_padding_mask", a.key_padding_mask},
+                         {"query_padding_mask", a.query_padding_mask},
+                         {"cu_seqlens_q", a.cu_seqlens_q},
+                         {"cu_seqlens_k", a.cu_seqlens_k},
+                         {"grad_out", grad_out ? *grad_out : none},
+                         {"out", out ? *out : none},
+                         {"lse", lse ? *lse : none}});
+}
 
 AttentionOptions options_of(const AttentionArgs& a, const char* fn, const Tensor& q) {
   AttentionOptions o;
@@ -44,6 +62,7 @@ AttentionOptions options_of(const AttentionArgs& a, const char* fn, const Tensor
   o.max_seqlen_q = a.max_seqlen_q;
   o.max_seqlen_k = a.max_seqlen_k;
   o.deterministic = a.deterministic;
+  o.validate_index = a.validate_index;
   o.num_threads = at::get_num_threads();
   o.stream = stream_of(q);
   return o;
@@ -61,6 +80,7 @@ std::vector<int64_t> to_vector(const std::int64_t* shape, int n) {
 
 std::tuple<Tensor, Tensor> forward_kernel(const char* fn, const Tensor& q, const Tensor& k,
                                           const Tensor& v, const AttentionArgs& a) {
+  check_devices(fn, q, k, v, a);
   const at::OptionalDeviceGuard device_guard(at::device_of(q));  // q's GPU, not the current one
   return translate_errors([&] {
     const TensorView qv = view_of(q, fn, "q"), kv = view_of(k, fn, "k"), vv = view_of(v, fn, "v");
@@ -91,9 +111,9 @@ std::tuple<Tensor, Tensor> attention_varlen_kernel(const Tensor& q, const Tensor
                                                    const Tensor& cu_seqlens_k,
                                                    int64_t max_seqlen_q, int64_t max_seqlen_k,
                                                    std::optional<double> scale, bool causal,
-                                                   bool deterministic) {
-  AttentionArgs a{scale,        causal,       {}, {}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                  max_seqlen_k, deterministic};
+                                                   bool deterministic, bool validate_index) {
+  AttentionArgs a{scale,        causal,        {}, {}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                  max_seqlen_k, deterministic, validate_index};
   return forward_kernel("vidattn.attention_varlen", q, k, v, a);
 }
 
@@ -104,11 +124,13 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_kernel(
     const OptTensor& cu_seqlens_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
     bool deterministic) {
   constexpr const char* fn = "vidattn.attention_backward";
+  // The offsets come from the forward, which checked them (or was told to trust them).
+  const AttentionArgs a{scale,        causal,       key_padding_mask, query_padding_mask,
+                        cu_seqlens_q, cu_seqlens_k, max_seqlen_q,     max_seqlen_k,
+                        deterministic, /*validate_index=*/false};
+  check_devices(fn, q, k, v, a, &grad_out, &out, &lse);
   const at::OptionalDeviceGuard device_guard(at::device_of(q));
   return translate_errors([&] {
-    AttentionArgs a{scale,        causal,       key_padding_mask, query_padding_mask,
-                    cu_seqlens_q, cu_seqlens_k, max_seqlen_q,     max_seqlen_k,
-                    deterministic};
     Tensor dq = at::empty(q.sizes(), q.options());
     Tensor dk = at::empty(k.sizes(), k.options());
     Tensor dv = at::empty(v.sizes(), v.options());
@@ -124,6 +146,7 @@ std::tuple<Tensor, Tensor, Tensor> attention_backward_kernel(
 
 std::tuple<Tensor, Tensor> forward_meta(const char* fn, const Tensor& q, const Tensor& k,
                                         const Tensor& v, const AttentionArgs& a) {
+  check_devices(fn, q, k, v, a);
   const bool varlen = a.varlen();
   const int64_t nd = varlen ? 3 : 4;
   TORCH_CHECK_VALUE(q.dim() == nd && k.dim() == nd && v.dim() == nd, fn,
@@ -157,16 +180,19 @@ std::tuple<Tensor, Tensor> attention_varlen_meta(const Tensor& q, const Tensor& 
                                                  const Tensor& cu_seqlens_q,
                                                  const Tensor& cu_seqlens_k, int64_t max_seqlen_q,
                                                  int64_t max_seqlen_k, std::optional<double> scale,
-                                                 bool causal, bool) {
+                                                 bool causal, bool, bool) {
   AttentionArgs a{scale, causal, {}, {}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k};
   return forward_meta("vidattn.attention_varlen", q, k, v, a);
 }
 
 std::tuple<Tensor, Tensor, Tensor> attention_backward_meta(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-    const Tensor& lse, std::optional<double>, bool, const OptTensor&, const OptTensor&,
-    const OptTensor&, const OptTensor&, int64_t, int64_t, bool) {
-  (void)grad_out, (void)out, (void)lse;
+    const Tensor& lse, std::optional<double>, bool, const OptTensor& key_padding_mask,
+    const OptTensor& query_padding_mask, const OptTensor& cu_seqlens_q,
+    const OptTensor& cu_seqlens_k, int64_t, int64_t, bool) {
+  check_devices("vidattn.attention_backward", q, k, v,
+                {{}, false, key_padding_mask, query_padding_mask, cu_seqlens_q, cu_seqlens_k},
+                &grad_out, &out, &lse);
   return std::make_tuple(at::empty_symint(q.sym_sizes(), q.options()),
                          at::empty_symint(k.sym_sizes(), k.options()),
                          at::empty_symint(v.sym_sizes(), v.options()));
@@ -181,7 +207,7 @@ std::tuple<Tensor, Tensor> call_forward_op(const Tensor& q, const Tensor& k, con
                          .findSchemaOrThrow("vidattn::attention_varlen", "")
                          .typed<decltype(attention_varlen_kernel)>();
     return op.call(q, k, v, *a.cu_seqlens_q, *a.cu_seqlens_k, a.max_seqlen_q, a.max_seqlen_k,
-                   a.scale, a.causal, a.deterministic);
+                   a.scale, a.causal, a.deterministic, a.validate_index);
   }
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("vidattn::attention", "")
@@ -254,11 +280,11 @@ std::tuple<Tensor, Tensor> attention_varlen_autograd(const Tensor& q, const Tens
                                                      const Tensor& cu_seqlens_k,
                                                      int64_t max_seqlen_q, int64_t max_seqlen_k,
                                                      std::optional<double> scale, bool causal,
-                                                     bool deterministic) {
+                                                     bool deterministic, bool validate_index) {
   auto r = AttentionFunction::apply(
       q, k, v,
       AttentionArgs{scale, causal, {}, {}, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                    deterministic});
+                    deterministic, validate_index});
   return std::make_tuple(r[0], r[1]);
 }
 
@@ -274,7 +300,7 @@ TORCH_LIBRARY(vidattn, m) {
   m.def(
       "attention_varlen(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, *, float? scale=None, bool causal=False, "
-      "bool deterministic=True) -> (Tensor out, Tensor lse)",
+      "bool deterministic=True, bool validate_index=True) -> (Tensor out, Tensor lse)",
       tags);
   m.def(
       "attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "

@@ -31,6 +31,7 @@ RopeOptions rope_options(const Tensor& x, bool interleaved, bool transpose) {
 
 Tensor apply_rope_kernel(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved,
                          bool transpose) {
+  check_same_device(kFn, {{"x", x}, {"cos", cos}, {"sin", sin}});
   const at::OptionalDeviceGuard device_guard(at::device_of(x));  // x's GPU, not the current one
   return translate_errors([&] {
     const TensorView xv = view_of(x, kFn, "x");
@@ -46,6 +47,7 @@ Tensor apply_rope_kernel(const Tensor& x, const Tensor& cos, const Tensor& sin, 
 // Same shape, dtype and (contiguous) strides as the real kernel; symbolic sizes pass.
 Tensor apply_rope_meta(const Tensor& x, const Tensor& cos, const Tensor& sin, bool interleaved,
                        bool transpose) {
+  check_same_device(kFn, {{"x", x}, {"cos", cos}, {"sin", sin}});
   TORCH_CHECK_VALUE(x.dim() == 4, kFn, ": argument 'x' must be 4-D [B, S, H, D], got a ",
                     x.dim(), "-D tensor");
   TORCH_CHECK_VALUE(cos.dim() == 2 && sin.dim() == 2, kFn,

@@ -13,6 +13,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #endif
 
+#include <initializer_list>
 #include <optional>
 #include <string>
 #include <vector>
@@ -43,6 +44,44 @@ inline bool is_concrete(const at::Tensor& t) {
   for (const auto& s : t.sym_strides())
     if (!s.maybe_as_int()) return false;
   return true;
+}
+
+// One tensor argument of an op, by name, for check_same_device; an absent optional tensor
+// (None) is skipped.
+struct DeviceArg {
+  const char* name;
+  const at::Tensor* tensor;
+  DeviceArg(const char* n, const at::Tensor& t) : name(n), tensor(&t) {}
+  DeviceArg(const char* n, const std::optional<at::Tensor>& t)
+      : name(n), tensor(t && t->defined() ? &*t : nullptr) {}
+};
+
+inline bool same_device(const at::Device& a, const at::Device& b) {
+  if (a.type() != b.type()) return false;
+  return a.type() != at::kCUDA || a.index() == b.index();
+}
+
+// Every op's first check, in its CPU / CUDA kernel and in its Meta kernel alike: all its
+// tensor arguments on one device, else a ValueError naming the argument and both devices.
+// The kernels cannot take it for granted: the dispatcher picks one kernel from the union of
+// the arguments' devices, so one meta argument sends the whole call to the Meta kernel
+// (which would return uninitialised memory on the other arguments' device) and one CUDA
+// argument sends CPU arguments to the CUDA kernel. Being in the ops, it holds for
+// torch.ops.vidattn.* called directly as well as through the Python functions.
+inline void check_same_device(const char* fn, std::initializer_list<DeviceArg> args) {
+  const DeviceArg* first = nullptr;
+  for (const DeviceArg& a : args) {
+    if (!a.tensor || !a.tensor->defined()) continue;
+    if (!first) {
+      first = &a;
+      continue;
+    }
+    const at::Device expected = first->tensor->device(), got = a.tensor->device();
+    TORCH_CHECK_VALUE(same_device(expected, got), fn, ": argument '", a.name, "' must be on ",
+                      expected, " like '", first->name, "', got ", got,
+                      " (all tensor arguments of an op must be on one device; meta tensors "
+                      "only together with meta tensors)");
+  }
 }
 
 // A view of t. Meta tensors give views with no data (enough for describe_* checks).
@@ -80,7 +119,7 @@ inline at::Tensor unit_stride_grad(const at::Tensor& grad) {
 }
 
 // Runs f, turning vidattn's exceptions into the PyTorch ones Python maps to ValueError,
-// TypeError and NotImplementedError.
+// TypeError, NotImplementedError and torch.OutOfMemoryError.
 template <class F>
 decltype(auto) translate_errors(F&& f) {
   try {
@@ -91,6 +130,8 @@ decltype(auto) translate_errors(F&& f) {
     TORCH_CHECK_VALUE(false, e.what());
   } catch (const vidattn::NotImplementedError& e) {
     TORCH_CHECK_NOT_IMPLEMENTED(false, e.what());
+  } catch (const vidattn::OutOfMemoryError& e) {
+    TORCH_CHECK_WITH(OutOfMemoryError, false, e.what());
   }
 }
 

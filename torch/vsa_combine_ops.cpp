@@ -21,6 +21,22 @@ using torch::autograd::variable_list;
 
 bool has(const OptTensor& t) { return t && t->defined(); }
 
+// check_same_device over the tensors of the combine ops: `first` is fine or grad_out, `out`
+// the destination of vsa_combine_rows_into; the row mode passes token_to_slot and
+// slot_to_token as the two index tensors, the tile mode block_sizes as the first.
+void check_devices(const char* fn, const char* first_name, const Tensor& first,
+                   const Tensor& coarse, const OptTensor& gate, const char* index_name,
+                   const Tensor& index, const Tensor* slot_to_token = nullptr,
+                   const Tensor* out = nullptr) {
+  const Tensor none;
+  check_same_device(fn, {{"out", out ? *out : none},
+                         {first_name, first},
+                         {"coarse", coarse},
+                         {"gate", gate},
+                         {index_name, index},
+                         {"slot_to_token", slot_to_token ? *slot_to_token : none}});
+}
+
 // The backward ops of both modes return grad_gate as an empty [0] tensor when there is no
 // gate (op returns cannot be optional).
 Tensor empty_grad_gate(const Tensor& grad_out, const OptTensor& gate) {
@@ -44,6 +60,7 @@ std::tuple<Tensor, Tensor> backward_meta(const Tensor& grad_out, const Tensor& c
 Tensor vsa_combine_kernel(const Tensor& fine, const Tensor& coarse, const OptTensor& gate,
                           const Tensor& block_sizes, int64_t tile_volume) {
   constexpr const char* fn = "vidattn.vsa_combine";
+  check_devices(fn, "fine", fine, coarse, gate, "block_sizes", block_sizes);
   const at::OptionalDeviceGuard device_guard(at::device_of(fine));
   require_int32(block_sizes, fn, "block_sizes");
   return translate_errors([&] {
@@ -56,8 +73,9 @@ Tensor vsa_combine_kernel(const Tensor& fine, const Tensor& coarse, const OptTen
   });
 }
 
-Tensor vsa_combine_meta(const Tensor& fine, const Tensor&, const OptTensor&, const Tensor&,
-                        int64_t) {
+Tensor vsa_combine_meta(const Tensor& fine, const Tensor& coarse, const OptTensor& gate,
+                        const Tensor& block_sizes, int64_t) {
+  check_devices("vidattn.vsa_combine", "fine", fine, coarse, gate, "block_sizes", block_sizes);
   return at::empty_symint(fine.sym_sizes(), fine.options());
 }
 
@@ -67,6 +85,7 @@ std::tuple<Tensor, Tensor> vsa_combine_backward_kernel(const Tensor& grad_out,
                                                        const Tensor& block_sizes,
                                                        int64_t tile_volume) {
   constexpr const char* fn = "vidattn.vsa_combine_backward";
+  check_devices(fn, "grad_out", grad_out, coarse, gate, "block_sizes", block_sizes);
   const at::OptionalDeviceGuard device_guard(at::device_of(grad_out));
   require_int32(block_sizes, fn, "block_sizes");
   return translate_errors([&] {
@@ -84,7 +103,9 @@ std::tuple<Tensor, Tensor> vsa_combine_backward_kernel(const Tensor& grad_out,
 
 std::tuple<Tensor, Tensor> vsa_combine_backward_meta(const Tensor& grad_out,
                                                      const Tensor& coarse, const OptTensor& gate,
-                                                     const Tensor&, int64_t) {
+                                                     const Tensor& block_sizes, int64_t) {
+  check_devices("vidattn.vsa_combine_backward", "grad_out", grad_out, coarse, gate, "block_sizes",
+                block_sizes);
   return backward_meta(grad_out, coarse, gate);
 }
 
@@ -123,6 +144,7 @@ Tensor vsa_combine_autograd(const Tensor& fine, const Tensor& coarse, const OptT
 Tensor combine_rows(const char* fn, const Tensor* out, const Tensor& fine, const Tensor& coarse,
                     const OptTensor& gate, const Tensor& token_to_slot,
                     const Tensor& slot_to_token, int64_t tile_volume, int64_t first_token) {
+  check_devices(fn, "fine", fine, coarse, gate, "token_to_slot", token_to_slot, &slot_to_token, out);
   const at::OptionalDeviceGuard device_guard(at::device_of(fine));
   require_int32(token_to_slot, fn, "token_to_slot");
   require_int32(slot_to_token, fn, "slot_to_token");
@@ -144,8 +166,11 @@ Tensor vsa_combine_rows_kernel(const Tensor& fine, const Tensor& coarse, const O
                       slot_to_token, tile_volume, first_token);
 }
 
-Tensor vsa_combine_rows_meta(const Tensor& fine, const Tensor&, const OptTensor&, const Tensor&,
-                             const Tensor&, int64_t, int64_t) {
+Tensor vsa_combine_rows_meta(const Tensor& fine, const Tensor& coarse, const OptTensor& gate,
+                             const Tensor& token_to_slot, const Tensor& slot_to_token, int64_t,
+                             int64_t) {
+  check_devices("vidattn.vsa_combine_rows", "fine", fine, coarse, gate, "token_to_slot",
+                token_to_slot, &slot_to_token);
   return at::empty_symint(fine.sym_sizes(), fine.options());
 }
 
@@ -154,6 +179,8 @@ std::tuple<Tensor, Tensor> vsa_combine_rows_backward_kernel(
     const Tensor& token_to_slot, const Tensor& slot_to_token, int64_t tile_volume,
     int64_t first_token) {
   constexpr const char* fn = "vidattn.vsa_combine_rows_backward";
+  check_devices(fn, "grad_out", grad_out, coarse, gate, "token_to_slot", token_to_slot,
+                &slot_to_token);
   const at::OptionalDeviceGuard device_guard(at::device_of(grad_out));
   require_int32(token_to_slot, fn, "token_to_slot");
   require_int32(slot_to_token, fn, "slot_to_token");
@@ -173,8 +200,12 @@ std::tuple<Tensor, Tensor> vsa_combine_rows_backward_kernel(
 
 std::tuple<Tensor, Tensor> vsa_combine_rows_backward_meta(const Tensor& grad_out,
                                                           const Tensor& coarse,
-                                                          const OptTensor& gate, const Tensor&,
-                                                          const Tensor&, int64_t, int64_t) {
+                                                          const OptTensor& gate,
+                                                          const Tensor& token_to_slot,
+                                                          const Tensor& slot_to_token, int64_t,
+                                                          int64_t) {
+  check_devices("vidattn.vsa_combine_rows_backward", "grad_out", grad_out, coarse, gate,
+                "token_to_slot", token_to_slot, &slot_to_token);
   return backward_meta(grad_out, coarse, gate);
 }
 
@@ -190,8 +221,12 @@ void vsa_combine_rows_into_kernel(const Tensor& out, const Tensor& fine, const T
                slot_to_token, tile_volume, first_token);
 }
 
-void vsa_combine_rows_into_meta(const Tensor&, const Tensor&, const Tensor&, const OptTensor&,
-                                const Tensor&, const Tensor&, int64_t, int64_t) {}
+void vsa_combine_rows_into_meta(const Tensor& out, const Tensor& fine, const Tensor& coarse,
+                                const OptTensor& gate, const Tensor& token_to_slot,
+                                const Tensor& slot_to_token, int64_t, int64_t) {
+  check_devices("vidattn.vsa_combine_rows_into", "fine", fine, coarse, gate, "token_to_slot",
+                token_to_slot, &slot_to_token, &out);
+}
 
 void vsa_combine_rows_into_autograd(const Tensor& out, const Tensor& fine, const Tensor& coarse,
                                     const OptTensor& gate, const Tensor& token_to_slot,

@@ -74,17 +74,30 @@ Tensor tiling_metadata_kernel(c10::IntArrayRef grids, c10::IntArrayRef tile,
 
 // ---- gather_tokens: tile / untile -------------------------------------------------------
 
-Tensor gather_tokens_kernel(const Tensor& x, const Tensor& index, const Tensor& inverse_index) {
-  constexpr const char* fn = "vidattn.gather_tokens";
-  const at::OptionalDeviceGuard device_guard(at::device_of(x));  // run on the inputs' device
+// The checks gather_tokens' kernels share (the real one adds the length of inverse_index):
+// one device, then x 4-D before any of its dimensions is read by position.
+void check_gather_args(const char* fn, const Tensor& x, const Tensor& index,
+                       const Tensor& inverse_index) {
+  check_same_device(fn, {{"x", x}, {"index", index}, {"inverse_index", inverse_index}});
+  TORCH_CHECK_VALUE(x.dim() == 4, fn, ": argument 'x' must be 4-D [B, S, H, D], got a ", x.dim(),
+                    "-D tensor of shape ", x.sym_sizes());
+  TORCH_CHECK_VALUE(index.dim() == 1 && inverse_index.dim() == 1, fn,
+                    ": 'index' and 'inverse_index' must be 1-D, got ", index.dim(), "-D and ",
+                    inverse_index.dim(), "-D");
   require_int32(index, fn, "index");
   require_int32(inverse_index, fn, "inverse_index");
+}
+
+Tensor gather_tokens_kernel(const Tensor& x, const Tensor& index, const Tensor& inverse_index) {
+  constexpr const char* fn = "vidattn.gather_tokens";
+  check_gather_args(fn, x, index, inverse_index);
+  const at::OptionalDeviceGuard device_guard(at::device_of(x));  // run on the inputs' device
   return translate_errors([&] {
     const TensorView xv = view_of(x, fn, "x");
-    TORCH_CHECK_VALUE(inverse_index.dim() == 1 && inverse_index.size(0) == x.size(x.dim() > 1 ? 1 : 0),
-                      fn, ": argument 'inverse_index' must have one entry per token of x (",
-                      x.dim() > 1 ? x.size(1) : 0, "), got shape ", inverse_index.sizes(),
-                      "; the tiling does not match the tensor's length");
+    TORCH_CHECK_VALUE(inverse_index.size(0) == x.size(1), fn,
+                      ": argument 'inverse_index' must have one entry per token of x (",
+                      x.size(1), ", x's dimension 1 of [B, S, H, D]), got shape ",
+                      inverse_index.sizes(), "; the tiling does not match the tensor's length");
     Tensor out = at::empty({x.size(0), index.size(0), x.size(2), x.size(3)}, x.options());
     gather_tokens(xv, view_of(index, fn, "index"), view_of(out, fn, "out"), threads(),
                   stream_of(x));
@@ -93,12 +106,7 @@ Tensor gather_tokens_kernel(const Tensor& x, const Tensor& index, const Tensor& 
 }
 
 Tensor gather_tokens_meta(const Tensor& x, const Tensor& index, const Tensor& inverse_index) {
-  constexpr const char* fn = "vidattn.gather_tokens";
-  TORCH_CHECK_VALUE(x.dim() == 4, fn, ": argument 'x' must be 4-D [B, S, H, D], got ", x.dim(), "-D");
-  TORCH_CHECK_VALUE(index.dim() == 1 && inverse_index.dim() == 1, fn,
-                    ": 'index' and 'inverse_index' must be 1-D");
-  TORCH_CHECK_VALUE(index.scalar_type() == at::kInt && inverse_index.scalar_type() == at::kInt,
-                    fn, ": 'index' and 'inverse_index' must be int32");
+  check_gather_args("vidattn.gather_tokens", x, index, inverse_index);
   return at::empty_symint({x.sym_size(0), index.sym_size(0), x.sym_size(2), x.sym_size(3)},
                           x.options());
 }
@@ -130,6 +138,7 @@ Tensor gather_tokens_autograd(const Tensor& x, const Tensor& index, const Tensor
 
 Tensor tile_mean_pool_kernel(const Tensor& x, const Tensor& block_sizes, int64_t tile_volume) {
   constexpr const char* fn = "vidattn.tile_mean_pool";
+  check_same_device(fn, {{"x", x}, {"block_sizes", block_sizes}});
   const at::OptionalDeviceGuard device_guard(at::device_of(x));  // run on the inputs' device
   require_int32(block_sizes, fn, "block_sizes");
   return translate_errors([&] {
@@ -146,6 +155,7 @@ Tensor tile_mean_pool_kernel(const Tensor& x, const Tensor& block_sizes, int64_t
 
 Tensor tile_mean_pool_meta(const Tensor& x, const Tensor& block_sizes, int64_t tile_volume) {
   constexpr const char* fn = "vidattn.tile_mean_pool";
+  check_same_device(fn, {{"x", x}, {"block_sizes", block_sizes}});
   require_int32(block_sizes, fn, "block_sizes");
   TORCH_CHECK_VALUE(x.dim() == 4, fn, ": argument 'x' must be 4-D [B, S, H, D], got ", x.dim(), "-D");
   TORCH_CHECK_VALUE(is_supported_tile_volume(tile_volume), fn,
@@ -157,6 +167,7 @@ Tensor tile_mean_pool_meta(const Tensor& x, const Tensor& block_sizes, int64_t t
 Tensor tile_mean_pool_backward_kernel(const Tensor& grad_out, const Tensor& block_sizes,
                                       int64_t tile_volume) {
   constexpr const char* fn = "vidattn.tile_mean_pool_backward";
+  check_same_device(fn, {{"grad_out", grad_out}, {"block_sizes", block_sizes}});
   const at::OptionalDeviceGuard device_guard(at::device_of(grad_out));  // run on the inputs' device
   require_int32(block_sizes, fn, "block_sizes");
   return translate_errors([&] {
@@ -171,7 +182,10 @@ Tensor tile_mean_pool_backward_kernel(const Tensor& grad_out, const Tensor& bloc
   });
 }
 
-Tensor tile_mean_pool_backward_meta(const Tensor& grad_out, const Tensor&, int64_t tile_volume) {
+Tensor tile_mean_pool_backward_meta(const Tensor& grad_out, const Tensor& block_sizes,
+                                    int64_t tile_volume) {
+  check_same_device("vidattn.tile_mean_pool_backward",
+                    {{"grad_out", grad_out}, {"block_sizes", block_sizes}});
   TORCH_CHECK_VALUE(grad_out.dim() == 4, "vidattn.tile_mean_pool_backward: 'grad_out' must be 4-D");
   return at::empty_symint({grad_out.sym_size(0), grad_out.sym_size(1) * tile_volume,
                            grad_out.sym_size(2), grad_out.sym_size(3)},
@@ -203,12 +217,21 @@ Tensor tile_mean_pool_autograd(const Tensor& x, const Tensor& block_sizes, int64
 
 // ---- top-k selection --------------------------------------------------------------------
 
+void check_topk_devices(const char* fn, const Tensor& q_pooled, const Tensor& k_pooled,
+                        const OptTensor& cu_tiles_q, const OptTensor& cu_tiles_k) {
+  check_same_device(fn, {{"q_pooled", q_pooled},
+                         {"k_pooled", k_pooled},
+                         {"cu_tiles_q", cu_tiles_q},
+                         {"cu_tiles_k", cu_tiles_k}});
+}
+
 std::tuple<Tensor, Tensor> topk_tiles_kernel(const Tensor& q_pooled, const Tensor& k_pooled,
                                              int64_t topk, std::optional<double> sparsity,
                                              std::optional<double> scale,
                                              const OptTensor& cu_tiles_q,
                                              const OptTensor& cu_tiles_k) {
   constexpr const char* fn = "vidattn.topk_tiles";
+  check_topk_devices(fn, q_pooled, k_pooled, cu_tiles_q, cu_tiles_k);
   const at::OptionalDeviceGuard device_guard(at::device_of(q_pooled));  // run on the inputs' device
   require_int32(cu_tiles_q, fn, "cu_tiles_q");
   require_int32(cu_tiles_k, fn, "cu_tiles_k");
@@ -236,9 +259,10 @@ std::tuple<Tensor, Tensor> topk_tiles_kernel(const Tensor& q_pooled, const Tenso
 
 std::tuple<Tensor, Tensor> topk_tiles_meta(const Tensor& q_pooled, const Tensor& k_pooled,
                                            int64_t topk, std::optional<double>,
-                                           std::optional<double>, const OptTensor&,
-                                           const OptTensor&) {
+                                           std::optional<double>, const OptTensor& cu_tiles_q,
+                                           const OptTensor& cu_tiles_k) {
   constexpr const char* fn = "vidattn.topk_tiles";
+  check_topk_devices(fn, q_pooled, k_pooled, cu_tiles_q, cu_tiles_k);
   TORCH_CHECK_VALUE(q_pooled.dim() == 4 && k_pooled.dim() == 4, fn,
                     ": q_pooled and k_pooled must be 4-D [B, Tiles, H, D]");
   TORCH_CHECK_VALUE(topk >= 1, fn, ": topk must be >= 1, got ", topk);
@@ -250,6 +274,7 @@ std::tuple<Tensor, Tensor> topk_tiles_meta(const Tensor& q_pooled, const Tensor&
 
 std::tuple<Tensor, Tensor> topk_tiles_from_scores_kernel(const Tensor& scores, int64_t topk) {
   constexpr const char* fn = "vidattn.topk_tiles_from_scores";
+  check_same_device(fn, {{"scores", scores}});
   const at::OptionalDeviceGuard device_guard(at::device_of(scores));  // run on the inputs' device
   return translate_errors([&] {
     TORCH_CHECK_VALUE(scores.dim() == 4, fn, ": 'scores' must be 4-D [B, H, Qtiles, Ktiles], got ",
@@ -267,6 +292,7 @@ std::tuple<Tensor, Tensor> topk_tiles_from_scores_kernel(const Tensor& scores, i
 
 std::tuple<Tensor, Tensor> topk_tiles_from_scores_meta(const Tensor& scores, int64_t topk) {
   constexpr const char* fn = "vidattn.topk_tiles_from_scores";
+  check_same_device(fn, {{"scores", scores}});
   TORCH_CHECK_VALUE(scores.dim() == 4, fn, ": 'scores' must be 4-D [B, H, Qtiles, Ktiles]");
   TORCH_CHECK_VALUE(topk >= 1, fn, ": topk must be >= 1, got ", topk);
   const c10::SymInt max_k = scores.sym_size(3).min(c10::SymInt(topk));
@@ -298,6 +324,22 @@ BlockSparseOptions options_of(const SparseArgs& a, const char* fn, const Tensor&
   o.sm_margin = static_cast<int>(std::clamp<int64_t>(a.sm_margin, -1, 1 << 20));
   o.num_threads = threads();
   return o;
+}
+
+// check_same_device over a block-sparse forward's tensors (and the fused combination's).
+void check_sparse_devices(const char* fn, const Tensor& q, const Tensor& k, const Tensor& v,
+                          const Tensor& q2k_index, const Tensor& q2k_count,
+                          const OptTensor& q_block_sizes, const OptTensor& kv_block_sizes,
+                          const OptTensor& coarse = {}, const OptTensor& gate = {}) {
+  check_same_device(fn, {{"q", q},
+                         {"k", k},
+                         {"v", v},
+                         {"q2k_index", q2k_index},
+                         {"q2k_count", q2k_count},
+                         {"q_block_sizes", q_block_sizes},
+                         {"kv_block_sizes", kv_block_sizes},
+                         {"coarse", coarse},
+                         {"gate", gate}});
 }
 
 // The index and block-size tensors of the block-sparse ops: int32 (checked before any view).
@@ -335,6 +377,7 @@ std::tuple<Tensor, Tensor> block_sparse_attention_kernel(
     const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic,
     bool validate_index, int64_t sm_margin) {
   constexpr const char* fn = "vidattn.block_sparse_attention";
+  check_sparse_devices(fn, q, k, v, q2k_index, q2k_count, q_block_sizes, kv_block_sizes);
   const at::OptionalDeviceGuard device_guard(at::device_of(q));  // run on the inputs' device
   require_sparse_int32(fn, q2k_index, q2k_count, q_block_sizes, kv_block_sizes);
   return translate_errors([&] {
@@ -354,6 +397,7 @@ std::tuple<Tensor, Tensor> block_sparse_attention_meta(
     const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic,
     bool validate_index, int64_t sm_margin) {
   constexpr const char* fn = "vidattn.block_sparse_attention";
+  check_sparse_devices(fn, q, k, v, q2k_index, q2k_count, q_block_sizes, kv_block_sizes);
   require_sparse_int32(fn, q2k_index, q2k_count, q_block_sizes, kv_block_sizes);
   TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, fn,
                     ": q, k and v must be 4-D [B, S, H, D], got ", q.dim(), "-D, ", k.dim(),
@@ -377,6 +421,7 @@ std::tuple<Tensor, Tensor> block_sparse_attention_meta(
 std::tuple<Tensor, Tensor> transpose_index_kernel(const Tensor& q2k_index, const Tensor& q2k_count,
                                                   int64_t num_kv_tiles, bool validate_index) {
   constexpr const char* fn = "vidattn.block_sparse_transpose_index";
+  check_same_device(fn, {{"q2k_index", q2k_index}, {"q2k_count", q2k_count}});
   const at::OptionalDeviceGuard device_guard(at::device_of(q2k_index));  // run on the inputs' device
   require_int32(q2k_index, fn, "q2k_index");
   require_int32(q2k_count, fn, "q2k_count");
@@ -394,9 +439,10 @@ std::tuple<Tensor, Tensor> transpose_index_kernel(const Tensor& q2k_index, const
   });
 }
 
-std::tuple<Tensor, Tensor> transpose_index_meta(const Tensor& q2k_index, const Tensor&,
+std::tuple<Tensor, Tensor> transpose_index_meta(const Tensor& q2k_index, const Tensor& q2k_count,
                                                 int64_t num_kv_tiles, bool) {
   constexpr const char* fn = "vidattn.block_sparse_transpose_index";
+  check_same_device(fn, {{"q2k_index", q2k_index}, {"q2k_count", q2k_count}});
   TORCH_CHECK_VALUE(q2k_index.dim() == 4, fn, ": 'q2k_index' must be 4-D [B, Hq, Qtiles, MaxK]");
   TORCH_CHECK_VALUE(num_kv_tiles >= 0, fn, ": num_kv_tiles must be >= 0, got ", num_kv_tiles);
   return std::make_tuple(
@@ -407,12 +453,34 @@ std::tuple<Tensor, Tensor> transpose_index_meta(const Tensor& q2k_index, const T
                   q2k_index));
 }
 
+void check_sparse_backward_devices(const char* fn, const Tensor& grad_out, const Tensor& q,
+                                   const Tensor& k, const Tensor& v, const Tensor& out,
+                                   const Tensor& lse, const Tensor& q2k_index,
+                                   const Tensor& q2k_count, const Tensor& k2q_offsets,
+                                   const Tensor& k2q_index, const OptTensor& q_block_sizes,
+                                   const OptTensor& kv_block_sizes) {
+  check_same_device(fn, {{"grad_out", grad_out},
+                         {"q", q},
+                         {"k", k},
+                         {"v", v},
+                         {"out", out},
+                         {"lse", lse},
+                         {"q2k_index", q2k_index},
+                         {"q2k_count", q2k_count},
+                         {"k2q_offsets", k2q_offsets},
+                         {"k2q_index", k2q_index},
+                         {"q_block_sizes", q_block_sizes},
+                         {"kv_block_sizes", kv_block_sizes}});
+}
+
 std::tuple<Tensor, Tensor, Tensor> block_sparse_backward_kernel(
     const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
     const Tensor& lse, const Tensor& q2k_index, const Tensor& q2k_count, const Tensor& k2q_offsets,
     const Tensor& k2q_index, int64_t tile_volume, const OptTensor& q_block_sizes,
     const OptTensor& kv_block_sizes, std::optional<double> scale, bool deterministic) {
   constexpr const char* fn = "vidattn.block_sparse_attention_backward";
+  check_sparse_backward_devices(fn, grad_out, q, k, v, out, lse, q2k_index, q2k_count,
+                                k2q_offsets, k2q_index, q_block_sizes, kv_block_sizes);
   const at::OptionalDeviceGuard device_guard(at::device_of(q));  // run on the inputs' device
   require_int32(q2k_index, fn, "q2k_index");
   require_int32(q2k_count, fn, "q2k_count");
@@ -434,9 +502,13 @@ std::tuple<Tensor, Tensor, Tensor> block_sparse_backward_kernel(
 }
 
 std::tuple<Tensor, Tensor, Tensor> block_sparse_backward_meta(
-    const Tensor&, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor&, const Tensor&,
-    const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t, const OptTensor&,
-    const OptTensor&, std::optional<double>, bool) {
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& lse, const Tensor& q2k_index, const Tensor& q2k_count,
+    const Tensor& k2q_offsets, const Tensor& k2q_index, int64_t, const OptTensor& q_block_sizes,
+    const OptTensor& kv_block_sizes, std::optional<double>, bool) {
+  check_sparse_backward_devices("vidattn.block_sparse_attention_backward", grad_out, q, k, v,
+                                out, lse, q2k_index, q2k_count, k2q_offsets, k2q_index,
+                                q_block_sizes, kv_block_sizes);
   return std::make_tuple(at::empty_symint(q.sym_sizes(), q.options()),
                          at::empty_symint(k.sym_sizes(), k.options()),
                          at::empty_symint(v.sym_sizes(), v.options()));
@@ -513,6 +585,8 @@ std::tuple<Tensor, Tensor, Tensor> vsa_fine_combined_kernel(
     const Tensor& q_block_sizes, int64_t tile_volume, const OptTensor& kv_block_sizes,
     std::optional<double> scale, bool validate_index, int64_t sm_margin) {
   constexpr const char* fn = "vidattn.vsa_fine_combined";
+  check_sparse_devices(fn, q, k, v, q2k_index, q2k_count, q_block_sizes, kv_block_sizes, coarse,
+                       gate);
   const at::OptionalDeviceGuard device_guard(at::device_of(q));
   require_sparse_int32(fn, q2k_index, q2k_count, q_block_sizes, kv_block_sizes);
   return translate_errors([&] {
@@ -534,6 +608,8 @@ std::tuple<Tensor, Tensor, Tensor> vsa_fine_combined_meta(
     const Tensor& q_block_sizes, int64_t tile_volume, const OptTensor& kv_block_sizes,
     std::optional<double> scale, bool validate_index, int64_t sm_margin) {
   constexpr const char* fn = "vidattn.vsa_fine_combined";
+  check_sparse_devices(fn, q, k, v, q2k_index, q2k_count, q_block_sizes, kv_block_sizes, coarse,
+                       gate);
   // Checked under this op's name first (block_sparse_attention_meta names its own).
   require_sparse_int32(fn, q2k_index, q2k_count, q_block_sizes, kv_block_sizes);
   auto [fine, lse] = block_sparse_attention_meta(q, k, v, q2k_index, q2k_count, tile_volume,

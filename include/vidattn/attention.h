@@ -14,11 +14,20 @@
 // (all keys masked, Sk == 0, or a padded query) outputs 0 and has LSE -inf; it receives and
 // contributes zero gradient.
 //
+// Varlen offsets: each cu_seqlens starts at 0, never decreases, ends at the rows of its
+// tensor (q for cu_seqlens_q, k for cu_seqlens_k), and no sequence is longer than its
+// max_seqlen; otherwise ValueError naming the argument. The CPU checks them on the host on
+// every call.
+//
 // CUDA tensors: bfloat16 / float16 with D = Dv = 64 or 128 (anything else throws
-// NotImplementedError); the work is queued on options.stream without host synchronisation.
-// cu_seqlens are then read on the device and not validated: offsets are clamped to the rows
-// of q / k and lengths to max_seqlen_*, so bad offsets cannot access out of bounds but give
-// wrong results for the sequences concerned.
+// NotImplementedError); the work is queued on options.stream. The varlen forward checks the
+// offsets on the device (one small kernel and a 4-byte read-back, so one host
+// synchronisation) and throws the CPU's ValueError, unless options.validate_index is false
+// or the stream is being captured into a CUDA graph (no host synchronisation there): the
+// rule of the block-sparse index (vidattn/vsa.h). The backward never checks (its offsets
+// come from a checked forward). Unchecked, offsets are clamped to the rows of q / k and
+// lengths to max_seqlen_*, so bad offsets cannot access out of bounds but give wrong results
+// for the sequences concerned. Nothing else synchronises with the host.
 #pragma once
 
 #include <cstdint>
@@ -43,6 +52,10 @@ struct AttentionOptions {
   // dQ in an order that varies between runs (faster); the CPU and the portable CUDA backward
   // are deterministic either way.
   bool deterministic = true;
+  // Varlen forward on CUDA: check cu_seqlens_q / cu_seqlens_k on the device first (one host
+  // synchronisation; skipped during CUDA-graph capture). False for offsets known to be valid
+  // (e.g. built by vidattn itself); the CPU always checks (no synchronisation there).
+  bool validate_index = true;
   int num_threads = 0;                           // CPU worker threads; 0 = runtime default
   void* stream = nullptr;                        // CUDA: cudaStream_t to run on
 };

@@ -1,5 +1,6 @@
 // Exceptions thrown for bad input. Messages name the entry point, the argument and what
-// was expected; the PyTorch layer maps them to Python's ValueError and TypeError.
+// was expected; the PyTorch layer maps them to Python's ValueError, TypeError,
+// NotImplementedError and torch.OutOfMemoryError.
 #pragma once
 
 #include <stdexcept>
@@ -21,6 +22,13 @@ class TypeError : public std::invalid_argument {
 
 // A valid request this build cannot serve (e.g. a CUDA tensor in a CPU-only build).
 class NotImplementedError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// Memory the entry point needs for its working copies and cannot get (the CPU backend's
+// packed inputs, named in the message); the PyTorch layer raises torch.OutOfMemoryError.
+class OutOfMemoryError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
 };

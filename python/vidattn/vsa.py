@@ -6,6 +6,7 @@ in C++, torch/vsa_ops.cpp); the functions below only compose them.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -16,11 +17,26 @@ _SUPPORTED_VOLUMES = (64, 128, 256)
 
 
 def _grid3(value, name: str) -> Tuple[int, int, int]:
+    """Three integers (T, H, W). Python and NumPy integers and integral 0-d tensors pass;
+    anything that int() would truncate (4.7, a float tensor, "4") is refused, not rounded."""
     try:
-        t, h, w = (int(x) for x in value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be three integers (T, H, W), got {value!r}") from None
+        parts = list(value)
+    except TypeError:
+        parts = None
+    if parts is None or len(parts) != 3 or not all(_is_integer(x) for x in parts):
+        raise ValueError(f"{name} must be three integers (T, H, W), got {value!r}")
+    t, h, w = (operator.index(x) for x in parts)
     return t, h, w
+
+
+def _is_integer(x) -> bool:
+    if isinstance(x, bool):
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
 
 
 class VideoTiling:
@@ -230,13 +246,16 @@ def video_sparse_attention(
 
     ``tiling`` describes q's tokens, ``kv_tiling`` (default: ``tiling``) those of k and v
     (cross attention); both need the same tile volume. Packed tilings need B == 1 and the
-    same number of videos. ``gate`` has q's shape. Gradients flow to q, k, v and gate (the
-    selection is a constant). With ``return_selection`` also returns ``(q2k_index,
+    same number of videos. ``gate`` has the output's shape ``[B, Sq, Hq, Dv]`` (q's shape
+    when v's head dim Dv equals D). Gradients flow to q, k, v and gate (the selection is a
+    constant). All tensors, and the tilings' metadata, must be on one device. With ``return_selection`` also returns ``(q2k_index,
     q2k_count)``. ``sm_margin`` is passed to the fine branch (see ``block_sparse_attention``).
     """
     kv_tiling, topk = _check_vsa_args(q, k, v, tiling, kv_tiling, topk, sparsity)
-    if gate is not None and (not isinstance(gate, torch.Tensor) or gate.shape != q.shape):
-        raise ValueError(f"video_sparse_attention: gate must have q's shape {tuple(q.shape)}, got "
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    if gate is not None and (not isinstance(gate, torch.Tensor) or tuple(gate.shape) != out_shape):
+        raise ValueError(f"video_sparse_attention: gate must have the output's shape {out_shape} "
+                         "([B, Sq, Hq, Dv]), got "
                          f"{tuple(gate.shape) if isinstance(gate, torch.Tensor) else type(gate)}")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, gate)):
         o_s, o_c, selection = _vsa_branches(q, k, v, tiling, kv_tiling, topk, sparsity, scale,
@@ -319,7 +338,8 @@ def _vsa_coarse(q_c, k_c, v_c, tiling: VideoTiling, kv_tiling: VideoTiling, scal
     if tiling.packed:
         o_c, _ = _ops.attention_varlen(
             q_c[0], k_c[0], v_c[0], tiling.cu_tiles, kv_tiling.cu_tiles,
-            tiling.max_tiles_per_video, kv_tiling.max_tiles_per_video, scale=scale)
+            tiling.max_tiles_per_video, kv_tiling.max_tiles_per_video, scale=scale,
+            validate_index=False)  # the tilings' own offsets: valid by construction
         return o_c.unsqueeze(0)
     o_c, _ = _ops.attention(q_c, k_c, v_c, scale=scale)
     return o_c

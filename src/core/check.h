@@ -2,6 +2,7 @@
 // argument and what was expected.
 #pragma once
 
+#include <cstdint>
 #include <sstream>
 #include <string>
 #include <utility>
@@ -92,5 +93,29 @@ class ArgChecker {
  private:
   const char* function_;
 };
+
+// The rule of varlen offsets (docs/conventions.md): `entries` = N + 1 int32 values with
+// c[0] = 0, c[i] <= c[i + 1], every length c[i + 1] - c[i] at most max_len, and c[N] = rows.
+// at(i) reads entry i on the host. The CPU backend runs it on every call; the CUDA backend
+// runs a device version and, when that finds a fault, this one on a host copy for the message,
+// so both backends raise the same ValueError.
+template <class At>
+void check_cu_seqlens(const ArgChecker& check, const char* name, std::int64_t entries, At at,
+                      std::int64_t rows, std::int64_t max_len) {
+  if (entries < 1) check.fail("argument '", name, "' must hold at least one offset");
+  if (at(0) != 0) check.fail("argument '", name, "' must start at 0, got ", at(0));
+  for (std::int64_t i = 0; i + 1 < entries; ++i) {
+    const std::int64_t len = std::int64_t(at(i + 1)) - at(i);
+    if (len < 0)
+      check.fail("argument '", name, "' must be non-decreasing, but entry ", i + 1, " (",
+                 at(i + 1), ") is below entry ", i, " (", at(i), ")");
+    if (len > max_len)
+      check.fail("sequence ", i, " of '", name, "' has length ", len,
+                 ", more than the max_seqlen given (", max_len, ")");
+  }
+  if (at(entries - 1) != rows)
+    check.fail("argument '", name, "' must end at the number of rows (", rows, "), got ",
+               at(entries - 1));
+}
 
 }  // namespace vidattn::detail

@@ -90,23 +90,11 @@ void read_offsets(const ArgChecker& check, const TensorView& cu, const char* nam
                   std::int64_t total, std::int64_t max_len, std::vector<std::int64_t>& start,
                   std::vector<std::int64_t>& len) {
   const auto* data = static_cast<const std::int32_t*>(cu.data);
+  auto at = [&](std::int64_t i) { return std::int64_t(data[i * cu.stride[0]]); };
+  check_cu_seqlens(check, name, cu.shape[0], at, total, max_len);
   const std::int64_t n = cu.shape[0] - 1;
   start.resize(n), len.resize(n);
-  auto at = [&](std::int64_t i) { return std::int64_t(data[i * cu.stride[0]]); };
-  if (at(0) != 0) check.fail("argument '", name, "' must start at 0, got ", at(0));
-  for (std::int64_t i = 0; i < n; ++i) {
-    start[i] = at(i);
-    len[i] = at(i + 1) - at(i);
-    if (len[i] < 0)
-      check.fail("argument '", name, "' must be non-decreasing, but entry ", i + 1, " (",
-                 at(i + 1), ") is below entry ", i, " (", at(i), ")");
-    if (len[i] > max_len)
-      check.fail("sequence ", i, " of '", name, "' has length ", len[i],
-                 ", more than the max_seqlen given (", max_len, ")");
-  }
-  if (at(n) != total)
-    check.fail("argument '", name, "' must end at the number of rows (", total, "), got ",
-               at(n));
+  for (std::int64_t i = 0; i < n; ++i) start[i] = at(i), len[i] = at(i + 1) - at(i);
 }
 
 Sequences resolve_sequences(const ArgChecker& check, const AttentionProblem& p,
@@ -129,9 +117,10 @@ Sequences resolve_sequences(const ArgChecker& check, const AttentionProblem& p,
 
 // Packs [rows, heads, dim] of a strided tensor into contiguous [heads][rows][dim].
 template <class Acc>
-std::vector<Acc> pack(const TensorView& t, bool varlen, std::int64_t rows, std::int64_t heads,
-                      std::int64_t dim, int threads, Acc mul = Acc(1)) {
-  std::vector<Acc> out(static_cast<std::size_t>(rows * heads * dim));
+std::vector<Acc> pack(const char* fn, const char* what, const TensorView& t, bool varlen,
+                      std::int64_t rows, std::int64_t heads, std::int64_t dim, int threads,
+                      Acc mul = Acc(1)) {
+  std::vector<Acc> out = cpu::working_buffer<Acc>(fn, what, rows * heads * dim);
   const RowLayout layout = token_rows(t, varlen);
   visit_float_dtype(t.dtype, [&](auto tag) {
     using S = Storage<decltype(tag)::value>;
@@ -188,15 +177,17 @@ void store_scalar(const TensorView& t, std::int64_t offset, double value) {
 // [H][rows][D] in the accumulator type, and the sequences that rows belong to.
 template <class Acc>
 struct Context {
+  const char* function;  // the entry point, for messages
   Sequences seq;
   std::int64_t rows_q, rows_k;  // token rows of q and of k/v
   std::int64_t heads_q, heads_kv, head_dim, head_dim_v;
   std::vector<Acc> q, k, v;     // [H][rows][D]
   int threads;
 
-  Context(Sequences sequences, const TensorView& qt, const TensorView& kt, const TensorView& vt,
-          bool varlen, double scale, int num_threads)
-      : seq(std::move(sequences)),
+  Context(const char* fn, Sequences sequences, const TensorView& qt, const TensorView& kt,
+          const TensorView& vt, bool varlen, double scale, int num_threads)
+      : function(fn),
+        seq(std::move(sequences)),
         rows_q(qt.shape[0] * (varlen ? 1 : qt.shape[1])),
         rows_k(kt.shape[0] * (varlen ? 1 : kt.shape[1])),
         heads_q(qt.shape[qt.ndim - 2]),
@@ -206,9 +197,14 @@ struct Context {
         threads(num_threads > 0 ? num_threads : omp_get_max_threads()) {
     // q is packed pre-multiplied by the softmax scale: the logits come straight out of the
     // block product, and forward and backward share this one rounding.
-    q = pack<Acc>(qt, varlen, rows_q, heads_q, head_dim, threads, Acc(scale));
-    k = pack<Acc>(kt, varlen, rows_k, heads_kv, head_dim, threads);
-    v = pack<Acc>(vt, varlen, rows_k, heads_kv, head_dim_v, threads);
+    // The key panels and the BLAS calls take a sequence's key count as an int.
+    for (const std::int64_t len : seq.k_len)
+      if (len > std::numeric_limits<int>::max())
+        throw_value_error(fn, ": the CPU backend takes at most 2^31 - 1 keys per sequence, got ",
+                          len, " (argument 'k')");
+    q = pack<Acc>(fn, "'q'", qt, varlen, rows_q, heads_q, head_dim, threads, Acc(scale));
+    k = pack<Acc>(fn, "'k'", kt, varlen, rows_k, heads_kv, head_dim, threads);
+    v = pack<Acc>(fn, "'v'", vt, varlen, rows_k, heads_kv, head_dim_v, threads);
     if constexpr (kUseTiles<Acc>) pack_k_panels();
   }
 
@@ -224,7 +220,8 @@ struct Context {
       panel_row0.push_back(panel_rows);
       panel_rows += (seq.k_len[b] + avx2::kPanel - 1) / avx2::kPanel * avx2::kPanel;
     }
-    k_panels.resize(static_cast<std::size_t>(heads_kv * panel_rows * head_dim));
+    k_panels = cpu::working_buffer<float>(function, "'k' (in key panels)",
+                                          heads_kv * panel_rows * head_dim);
 #pragma omp parallel for collapse(2) num_threads(threads) schedule(static) \
     if (heads_kv * panel_rows * head_dim >= kMinParallelElements)
     for (std::int64_t h = 0; h < heads_kv; ++h)
@@ -594,9 +591,12 @@ void backward(const Context<Acc>& c, const Visit& visit, bool varlen, double sof
 
   // Per query row: dO packed, delta = rowsum(dO * O), and the forward's LSE (-inf marks a
   // row with no visible key, or a padded query: such rows get P = 0).
-  const std::vector<Acc> dout = pack<Acc>(grad_out, varlen, c.rows_q, Hq, Dv, c.threads);
-  const std::vector<Acc> o_packed = pack<Acc>(out, varlen, c.rows_q, Hq, Dv, c.threads);
-  std::vector<Acc> delta(static_cast<std::size_t>(Hq * c.rows_q)), lse(delta.size());
+  const std::vector<Acc> dout =
+      pack<Acc>(c.function, "'grad_out'", grad_out, varlen, c.rows_q, Hq, Dv, c.threads);
+  const std::vector<Acc> o_packed =
+      pack<Acc>(c.function, "'out'", out, varlen, c.rows_q, Hq, Dv, c.threads);
+  std::vector<Acc> delta = cpu::working_buffer<Acc>(c.function, "the row sums", Hq * c.rows_q);
+  std::vector<Acc> lse = cpu::working_buffer<Acc>(c.function, "'lse'", Hq * c.rows_q);
   const RowLayout lse_layout = lse_rows(lse_t, varlen);
 #pragma omp parallel for num_threads(c.threads) schedule(static) \
     if (Hq * c.rows_q * Dv >= kMinParallelElements)
@@ -770,7 +770,7 @@ void cpu_attention_forward(const AttentionProblem& p, const TensorView& q, const
   cpu::blas_use_one_thread();
   with_accumulator(p.dtype, [&](auto acc) {
     using Acc = decltype(acc);
-    const Context<Acc> c(resolve_sequences(check, p, q, k, options), q, k, v, p.varlen, p.scale,
+    const Context<Acc> c(check.function(), resolve_sequences(check, p, q, k, options), q, k, v, p.varlen, p.scale,
                          options.num_threads);
     forward(c, DenseVisit(p, c.seq, options, c.rows_q), p.varlen, out, lse);
   });
@@ -785,7 +785,7 @@ void cpu_attention_backward(const AttentionProblem& p, const TensorView& q,
   cpu::blas_use_one_thread();
   with_accumulator(p.dtype, [&](auto acc) {
     using Acc = decltype(acc);
-    const Context<Acc> c(resolve_sequences(check, p, q, k, options), q, k, v, p.varlen, p.scale,
+    const Context<Acc> c(check.function(), resolve_sequences(check, p, q, k, options), q, k, v, p.varlen, p.scale,
                          options.num_threads);
     backward(c, DenseVisit(p, c.seq, options, c.rows_q), p.varlen, p.scale, out, lse,
              grad_out, dq, dk, dv);
@@ -802,7 +802,7 @@ void cpu_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
   const SparseVisit visit(p, o, q2k_index, q2k_count, check);
   with_accumulator(p.dtype, [&](auto acc) {
     using Acc = decltype(acc);
-    const Context<Acc> c(batch_sequences(p.batch, p.seqlen_q, p.seqlen_k), q, k, v, false,
+    const Context<Acc> c(check.function(), batch_sequences(p.batch, p.seqlen_q, p.seqlen_k), q, k, v, false,
                          p.scale, o.num_threads);
     forward(c, visit, false, out, lse);
   });
@@ -823,7 +823,7 @@ void cpu_block_sparse_backward(const BlockSparseProblem& p, const TensorView& q,
   visit.k2q_index = &k2q_index;
   with_accumulator(p.dtype, [&](auto acc) {
     using Acc = decltype(acc);
-    const Context<Acc> c(batch_sequences(p.batch, p.seqlen_q, p.seqlen_k), q, k, v, false,
+    const Context<Acc> c(check.function(), batch_sequences(p.batch, p.seqlen_q, p.seqlen_k), q, k, v, false,
                          p.scale, o.num_threads);
     backward(c, visit, false, p.scale, out, lse, grad_out, dq, dk, dv);
   });

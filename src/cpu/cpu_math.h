@@ -6,7 +6,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
+#include <stdexcept>
+#include <vector>
 
+#include "../core/check.h"
 #include "vidattn/tensor_view.h"
 
 #if VIDATTN_HAVE_CBLAS
@@ -14,6 +18,24 @@
 #endif
 
 namespace vidattn::cpu {
+
+// A working buffer of the CPU backend: n elements of T, each `fill`. The backend's copies of
+// its inputs (packed in the accumulator type) come from here, outside parallel regions (no
+// exception may leave one), so that a size that cannot be had raises an OutOfMemoryError
+// naming the entry point `fn` and the buffer instead of a bare std::bad_alloc.
+template <class T>
+std::vector<T> working_buffer(const char* fn, const char* what, std::int64_t n, T fill = T()) {
+  const auto bytes = static_cast<double>(n) * sizeof(T);
+  try {
+    return std::vector<T>(static_cast<std::size_t>(n), fill);
+  } catch (const std::bad_alloc&) {
+  } catch (const std::length_error&) {
+  }
+  throw OutOfMemoryError(detail::concat(
+      fn, ": the CPU backend cannot allocate its working copy of ", what, " (", n,
+      " elements, ", bytes / (1u << 30), " GiB); the CPU backend keeps a copy of each input in "
+      "float32 (float64 for float64 inputs)"));
+}
 
 inline float bits_to_float(std::uint32_t u) {
   float f;

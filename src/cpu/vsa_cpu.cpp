@@ -274,10 +274,21 @@ void cpu_select_topk_tiles(const TensorView& qp, const TensorView& kp, const Top
   const std::int64_t max_k = q2k_index.shape[3];
   const VideoRanges ranges = video_ranges(check, o, Qt, Kt);
   constexpr std::int64_t kRows = 64;  // query tiles scored per block product
+  // The block products take the key tile count as an int.
+  if (Kt > std::numeric_limits<int>::max())
+    check.fail("the CPU backend takes at most 2^31 - 1 key tiles, got ", Kt,
+               " (argument 'k_pooled')");
+  const int threads = threads_of(o.num_threads);
+  const std::int64_t row_len = std::max<std::int64_t>(Kt, 1);
   auto run = [&](auto acc_tag) {
     using Acc = decltype(acc_tag);
     // Pooled tensors are small (one row per tile): pack them once as [H][tiles][D].
-    std::vector<Acc> q(static_cast<std::size_t>(Hq * Qt * D)), k(static_cast<std::size_t>(Hkv * Kt * D));
+    std::vector<Acc> q = cpu::working_buffer<Acc>(check.function(), "'q_pooled'", Hq * Qt * D);
+    std::vector<Acc> k = cpu::working_buffer<Acc>(check.function(), "'k_pooled'", Hkv * Kt * D);
+    // Each thread's scores of kRows query tiles, allocated here: no exception may leave the
+    // parallel region.
+    std::vector<Acc> all_scores = cpu::working_buffer<Acc>(
+        check.function(), "the coarse scores", threads * kRows * row_len);
     visit_float_dtype(qp.dtype, [&](auto tag) {
       using S = Storage<decltype(tag)::value>;
       auto pack = [&](const TensorView& t, std::int64_t b, std::int64_t H, std::int64_t n,
@@ -293,9 +304,9 @@ void cpu_select_topk_tiles(const TensorView& qp, const TensorView& kp, const Top
         pack(qp, b, Hq, Qt, q);
         pack(kp, b, Hkv, Kt, k);
         const std::int64_t blocks = (Qt + kRows - 1) / kRows;
-#pragma omp parallel num_threads(threads_of(o.num_threads))
+#pragma omp parallel num_threads(threads)
         {
-          std::vector<Acc> scores(static_cast<std::size_t>(kRows * std::max<std::int64_t>(Kt, 1)));
+          Acc* const scores = all_scores.data() + omp_get_thread_num() * kRows * row_len;
           std::vector<std::int32_t> order;
 #pragma omp for schedule(dynamic)
           for (std::int64_t hb = 0; hb < Hq * blocks; ++hb) {
@@ -304,12 +315,12 @@ void cpu_select_topk_tiles(const TensorView& qp, const TensorView& kp, const Top
             cpu::gemm_nt<Acc>(rows, static_cast<int>(Kt), static_cast<int>(D),
                               q.data() + (h * Qt + t0) * D, static_cast<int>(D),
                               k.data() + (h / group) * Kt * D, static_cast<int>(D), Acc(0),
-                              scores.data(), static_cast<int>(Kt));
+                              scores, static_cast<int>(Kt));
             for (int r = 0; r < rows; ++r) {
               const std::int64_t t = t0 + r;
               const std::int32_t video = ranges.video_of_q[t];
               const std::int64_t k0 = ranges.k_begin[video], n = ranges.k_end[video] - k0;
-              Acc* s = scores.data() + r * Kt + k0;
+              Acc* s = scores + r * Kt + k0;
               for (std::int64_t j = 0; j < n; ++j) s[j] *= Acc(scale);
               std::int64_t want = std::min(o.topk, n);
               if (o.sparsity && n > 0) want = std::min(topk_from_sparsity(*o.sparsity, n), max_k);
@@ -338,21 +349,25 @@ void cpu_topk_tiles_from_scores(const TensorView& scores, std::int64_t topk,
   const std::int64_t B = scores.shape[0], H = scores.shape[1], Qt = scores.shape[2],
                      Kt = scores.shape[3];
   const std::int64_t max_k = q2k_index.shape[3];
+  const int threads = threads_of(num_threads);
   auto run = [&](auto acc_tag) {
     using Acc = decltype(acc_tag);
+    // Each thread's row of scores, allocated here: no exception may leave the parallel region.
+    std::vector<Acc> rows = cpu::working_buffer<Acc>("vidattn::topk_tiles_from_scores",
+                                                     "a row of 'scores'", threads * Kt);
     visit_float_dtype(scores.dtype, [&](auto tag) {
       using S = Storage<decltype(tag)::value>;
       const auto* src = static_cast<const typename S::type*>(scores.data);
-#pragma omp parallel num_threads(threads_of(num_threads))
+#pragma omp parallel num_threads(threads)
       {
-        std::vector<Acc> row(static_cast<std::size_t>(Kt));
+        Acc* const row = rows.data() + omp_get_thread_num() * Kt;
         std::vector<std::int32_t> order;
 #pragma omp for schedule(static)
         for (std::int64_t bht = 0; bht < B * H * Qt; ++bht) {
           const std::int64_t b = bht / (H * Qt), h = (bht / Qt) % H, t = bht % Qt;
           const auto* s = src + b * scores.stride[0] + h * scores.stride[1] + t * scores.stride[2];
           for (std::int64_t j = 0; j < Kt; ++j) row[j] = S::template load<Acc>(s[j]);
-          select_row(row.data(), Kt, topk, max_k, 0, order,
+          select_row(row, Kt, topk, max_k, 0, order,
                      int_data(q2k_index) + b * q2k_index.stride[0] + h * q2k_index.stride[1] +
                          t * q2k_index.stride[2],
                      q2k_index.stride[3]);

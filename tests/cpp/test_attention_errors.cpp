@@ -232,6 +232,15 @@ TEST(AttentionErrors, BadOutputs) {
   }
 }
 
+// The CPU kernels index a sequence's keys as int: 2^31 keys (a stride-0 view, so no memory
+// behind it is read) raise ValueError before anything is packed.
+TEST(AttentionErrors, CpuKeysPastInt32) {
+  Call call;
+  call.options.key_padding_mask.reset();
+  for (TensorView* t : {&call.k, &call.v}) t->shape[1] = std::int64_t(1) << 31, t->stride[1] = 0;
+  expect_error<vidattn::ValueError>(call, Entry::kForward, "at most 2^31 - 1 keys per sequence");
+}
+
 // Device checks compare kind and index: all-CUDA metadata is valid, cuda:0 with cuda:1 is not.
 TEST(AttentionErrors, CudaTensors) {
   Call call;

@@ -365,7 +365,7 @@ def test_cuda_opcheck_and_empty():
     torch.library.opcheck(torch.ops.vidattn.apply_rope.default, (x, cos, sin))
     empty = torch.randn(0, 7, 3, 16).cuda()
     assert vidattn.apply_rope(empty, cos, sin).shape == empty.shape
-    with pytest.raises(ValueError, match="argument 'cos' must be on cuda:0 like x, got cpu"):
+    with pytest.raises(ValueError, match="argument 'cos' must be on cuda:0 like 'x', got cpu"):
         vidattn.apply_rope(x, cos.cpu(), sin.cpu())
 
 

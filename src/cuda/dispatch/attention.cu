@@ -1,7 +1,7 @@
 // The CUDA dense attention entry points (detail::cuda_attention_*, core/backends.h): what the
 // CUDA backend supports, the kernel parameters from the validated TensorViews, and the one
 // choice between the sm_90a kernels (attention/sm90) and the portable ones (attention/sm80).
-// Nothing here synchronises with the device.
+// Nothing here synchronises with the device but the varlen offsets check (varlen_check.h).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -24,6 +24,7 @@
 #include "cuda/common/workspace.h"
 #include "sm90_support.h"
 #include "supported.h"
+#include "varlen_check.h"
 
 namespace vidattn::detail {
 namespace {
@@ -96,11 +97,15 @@ void cuda_attention_forward(const AttentionProblem& p, const TensorView& q, cons
                             const AttentionOptions& o) {
   constexpr const char* kFn = "vidattn::attention_forward";
   check_supported(kFn, p);
-  if (out.numel() == 0 && lse.numel() == 0) return;
   const DeviceGuard device(p.device.index);
+  const auto stream = static_cast<cudaStream_t>(o.stream);
+  // Before the early return: offsets that describe no rows must still be valid ones.
+  if (p.varlen && o.validate_index)
+    cuda_dispatch::check_varlen_offsets(kFn, *o.cu_seqlens_q, q.shape[0], p.seqlen_q,
+                                        *o.cu_seqlens_k, k.shape[0], p.seqlen_k, stream);
+  if (out.numel() == 0 && lse.numel() == 0) return;
   AttentionParams kp = base_params(p, q, k, v, out, lse, o);
   kp.out_aligned4 = rows_aligned(out, 4);
-  const auto stream = static_cast<cudaStream_t>(o.stream);
 #ifdef VIDATTN_WITH_CUTLASS
   if (sm90_dense_fits(p, kp, q, k, v, out)) {
     bool launched = false;
