@@ -334,3 +334,31 @@ def test_vsa_combine_nan_in_gate_or_fine(device, gen):
     nan = torch.zeros_like(clean, dtype=torch.bool).cpu()
     nan[0, 5, 1, 2] = True
     assert_nan_exactly("out", got, clean, nan)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("backward", [False, True])
+def test_vsa_padded_slots_are_never_read(request, device, backward, gen):
+    # Pooling, the coarse branch, the selection and the fine branch all skip padded slots.
+    known_gap(request, device, "sm_90a block-sparse kernels multiply padded v rows by P = 0")
+    t, q, k, v, g = vsa_case(device, gen, gate=True)
+    pad = 64 + 60  # tile 1 has 48 valid slots
+
+    def run(q, k, v):
+        q, k, v = (x.detach().clone().requires_grad_(backward) for x in (q, k, v))
+        out, sel = vidattn.video_sparse_attention(q, k, v, tiling=t, topk=2, gate=g,
+                                                  return_selection=True)
+        res = [out, *sel]
+        if backward:
+            out.backward(torch.ones_like(out))
+            valid = torch.ones(t.padded_len, dtype=torch.bool)
+            valid[pad] = False  # the padded slot's own gradient is not defined by the rule
+            res += [x.grad[:, valid.to(x.device)] for x in (q, k, v)]
+        return res
+
+    clean = run(q, k, v)
+    qn, kn, vn = q.clone(), k.clone(), v.clone()
+    for x in (qn, kn, vn):
+        x[0, pad] = NAN
+    for a, c in zip(run(qn, kn, vn), clean):
+        assert torch.equal(a.cpu(), c.cpu())
