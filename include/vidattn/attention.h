@@ -12,7 +12,9 @@
 // LSE: natural-log log-sum-exp of the scaled scores, float32 (float64 when the inputs are
 // float64, so that the float64 path is a reference to 1e-10). A query row that sees no key
 // (all keys masked, Sk == 0, or a padded query) outputs 0 and has LSE -inf; it receives and
-// contributes zero gradient.
+// contributes zero gradient. A NaN in q, or in k of a key the row sees, makes the row's output
+// and LSE NaN; a NaN in v of a seen key reaches its column; values at masked positions never
+// affect a result (docs/conventions.md, non-finite values).
 //
 // Varlen offsets: each cu_seqlens starts at 0, never decreases, ends at the rows of its
 // tensor (q for cu_seqlens_q, k for cu_seqlens_k), and no sequence is longer than its

@@ -28,8 +28,10 @@ def attention(
     ``scale`` defaults to 1/sqrt(D). ``causal`` aligns to the bottom-right corner: query i
     sees key j iff j <= i + Sk - Sq. Masks are bool, True marks a valid token: keys
     ``[B, Sk]``, queries ``[B, Sq]`` (padded query rows output 0). A row that sees no key
-    outputs 0 with LSE -inf and gets zero gradient. All tensor arguments must be on one
-    device (``ValueError`` otherwise; meta tensors only together with meta tensors).
+    outputs 0 with LSE -inf and gets zero gradient. A NaN in an input the row sees reaches
+    the row (output NaN, LSE NaN for q or k), as in SDPA; masked values never affect a
+    result (docs/conventions.md). All tensor arguments must be on one device (``ValueError``
+    otherwise; meta tensors only together with meta tensors).
 
     ``deterministic`` is the backward's: True gives the same bits on every run; False lets
     the Hopper (sm_90a) backward add dQ in an order that varies (one fused kernel instead of

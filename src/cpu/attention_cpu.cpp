@@ -185,7 +185,9 @@ struct Context {
   int threads;
 
   Context(const char* fn, Sequences sequences, const TensorView& qt, const TensorView& kt,
-          const TensorView& vt, bool varlen, double scale, int num_threads)
+          const TensorView& vt, bool varlen, double scale, int num_threads,
+          const std::optional<TensorView>& key_mask = std::nullopt,
+          const std::optional<TensorView>& query_mask = std::nullopt)
       : function(fn),
         seq(std::move(sequences)),
         rows_q(qt.shape[0] * (varlen ? 1 : qt.shape[1])),
@@ -205,7 +207,29 @@ struct Context {
     q = pack<Acc>(fn, "'q'", qt, varlen, rows_q, heads_q, head_dim, threads, Acc(scale));
     k = pack<Acc>(fn, "'k'", kt, varlen, rows_k, heads_kv, head_dim, threads);
     v = pack<Acc>(fn, "'v'", vt, varlen, rows_k, heads_kv, head_dim_v, threads);
+    zero_masked_rows(key_mask, k, rows_k, heads_kv, head_dim);
+    zero_masked_rows(key_mask, v, rows_k, heads_kv, head_dim_v);
+    zero_masked_rows(query_mask, q, rows_q, heads_q, head_dim);
     if constexpr (kUseTiles<Acc>) pack_k_panels();
+  }
+
+  // Zeroes the packed rows [heads][rows][dim] of tokens a padding mask [B, S] (batched calls)
+  // marks invalid. A masked key meets exact-zero probabilities in P @ V and dP, a padded query
+  // an exact-zero dS in dK = dS^T Q, and 0 * NaN would carry a NaN the caller masked into
+  // other rows (docs/conventions.md). O(S * D), on the copies only.
+  static void zero_masked_rows(const std::optional<TensorView>& mask, std::vector<Acc>& x,
+                               std::int64_t rows, std::int64_t heads, std::int64_t dim) {
+    if (!mask) return;
+    const auto* m = static_cast<const std::uint8_t*>(mask->data);
+    const std::int64_t batch = mask->shape[0], len = mask->shape[1];
+    for (std::int64_t b = 0; b < batch; ++b)
+      for (std::int64_t j = 0; j < len; ++j) {
+        if (m[b * mask->stride[0] + j * mask->stride[1]]) continue;
+        for (std::int64_t h = 0; h < heads; ++h) {
+          Acc* row = x.data() + (h * rows + b * len + j) * dim;
+          std::fill(row, row + dim, Acc(0));
+        }
+      }
   }
 
 #if VIDATTN_CPU_AVX2
@@ -385,6 +409,8 @@ struct DenseVisit {
   }
 
   bool query_row_valid(std::int64_t row) const { return q_valid[row] != 0; }
+  // False for a key (global row) masked out by the key padding mask.
+  bool key_row_valid(std::int64_t row) const { return !has_key_mask || k_valid[row] != 0; }
 
   std::vector<KeyBlock> key_blocks() const {
     std::vector<KeyBlock> blocks;
@@ -479,6 +505,7 @@ struct SparseVisit {
   void mask(const QueryBlock&, int, const KeySpan&, Acc*) const {}
 
   bool query_row_valid(std::int64_t) const { return true; }
+  bool key_row_valid(std::int64_t) const { return true; }
 
   std::vector<KeyBlock> key_blocks() const {
     std::vector<KeyBlock> blocks;
@@ -542,7 +569,16 @@ void forward(const Context<Acc>& c, const Visit& visit, bool varlen, const Tenso
           Acc* s = Sp + r * kBlockK;
           const Acc m_new = std::max(mp[r], row_max(s, cols));
           if (m_new == neg_inf) {  // nothing visible yet: keep the row empty, avoid inf - inf
+            // The max drops NaN logits, so a row whose visible logits are all NaN (a NaN in
+            // its q) lands here too: it must end NaN, not empty. Rare rows only: the test is
+            // off the common path.
+            const bool nan_row = std::any_of(s, s + cols, [](Acc x) { return x != x; });
             std::fill(s, s + cols, Acc(0));
+            if (nan_row) {
+              const Acc nan = std::numeric_limits<Acc>::quiet_NaN();
+              mp[r] = nan, lp[r] = nan;
+              std::fill(ap + r * Dv, ap + (r + 1) * Dv, nan);
+            }
             continue;
           }
           const Acc sum = exp_shift_sum(s, cols, m_new);
@@ -632,10 +668,15 @@ void backward(const Context<Acc>& c, const Visit& visit, bool varlen, double sof
         std::fill(dp, dp + cols, Acc(0));
         continue;
       }
+      // A masked logit (-inf) gives exactly P = dS = 0, also when the row's LSE or delta is NaN
+      // (a NaN reached the row): exp(-inf - NaN) and 0 * NaN are NaN, and a masked key must
+      // not take a gradient from a row that does not see it (docs/conventions.md).
 #pragma omp simd
       for (int x = 0; x < cols; ++x) {
-        s[x] = cpu::exp_approx(s[x] - row_lse);
-        dp[x] = s[x] * (dp[x] - row_delta);
+        const bool masked = s[x] == neg_inf;
+        const Acc prob = cpu::exp_approx(s[x] - row_lse);
+        s[x] = masked ? Acc(0) : prob;
+        dp[x] = masked ? Acc(0) : prob * (dp[x] - row_delta);
       }
     }
   };
@@ -670,7 +711,9 @@ void backward(const Context<Acc>& c, const Visit& visit, bool varlen, double sof
         });
       for (int x = 0; x < kb.cols; ++x) {
         const std::int64_t row = c.seq.k_start[kb.b] + kb.j0 + x;
-        if (x >= kb.valid_cols) {  // padded key slot: never attended
+        // A padded slot or a masked key is never attended: exact zeros, also where a NaN q of
+        // a row that sees other keys of the block met its zero dS (0 * NaN).
+        if (x >= kb.valid_cols || !visit.key_row_valid(row)) {
           store_zero_row(dk, dk_layout.offset(row, kb.hk), D);
           store_zero_row(dv, dv_layout.offset(row, kb.hk), Dv);
           continue;
@@ -770,8 +813,9 @@ void cpu_attention_forward(const AttentionProblem& p, const TensorView& q, const
   cpu::blas_use_one_thread();
   with_accumulator(p.dtype, [&](auto acc) {
     using Acc = decltype(acc);
-    const Context<Acc> c(check.function(), resolve_sequences(check, p, q, k, options), q, k, v, p.varlen, p.scale,
-                         options.num_threads);
+    const Context<Acc> c(check.function(), resolve_sequences(check, p, q, k, options), q, k, v,
+                         p.varlen, p.scale, options.num_threads, options.key_padding_mask,
+                         options.query_padding_mask);
     forward(c, DenseVisit(p, c.seq, options, c.rows_q), p.varlen, out, lse);
   });
 }
@@ -785,8 +829,9 @@ void cpu_attention_backward(const AttentionProblem& p, const TensorView& q,
   cpu::blas_use_one_thread();
   with_accumulator(p.dtype, [&](auto acc) {
     using Acc = decltype(acc);
-    const Context<Acc> c(check.function(), resolve_sequences(check, p, q, k, options), q, k, v, p.varlen, p.scale,
-                         options.num_threads);
+    const Context<Acc> c(check.function(), resolve_sequences(check, p, q, k, options), q, k, v,
+                         p.varlen, p.scale, options.num_threads, options.key_padding_mask,
+                         options.query_padding_mask);
     backward(c, DenseVisit(p, c.seq, options, c.rows_q), p.varlen, p.scale, out, lse,
              grad_out, dq, dk, dv);
   });

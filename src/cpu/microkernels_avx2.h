@@ -102,7 +102,9 @@ inline void gemm_nn_acc(int rows, int N, int K, const float* A, int lda, const f
 // FMA contraction); inputs below the float range, -inf included, give exactly 0.
 inline __m256 exp8(__m256 x) {
   const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(-87.33654f), _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.33654f)), _mm256_set1_ps(88.37626f));
+  // MAXPS/MINPS return their second operand when either is NaN: x goes second, so that a NaN
+  // logit stays NaN (docs/conventions.md, non-finite values) at no extra instruction.
+  x = _mm256_min_ps(_mm256_set1_ps(88.37626f), _mm256_max_ps(_mm256_set1_ps(-87.33654f), x));
   const __m256 n = _mm256_floor_ps(
       _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
   __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);

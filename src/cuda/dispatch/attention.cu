@@ -6,7 +6,9 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -17,6 +19,7 @@
 #include "cuda/attention/sm90/bwd_launch.h"
 #include "cuda/attention/sm90/fwd_launch.h"
 #include "cuda/attention/sm90/pack_padding.h"
+#include "cuda/common/check.h"
 #include "cuda/common/device_guard.h"
 #include "cuda/common/dtype_dispatch.h"
 #include "cuda/common/host_params.h"
@@ -85,6 +88,93 @@ bool sm90_dense_fits(const AttentionProblem& p, const AttentionParams& kp, const
 #endif
 }
 
+// ---- padded rows, zeroed ---------------------------------------------------------------
+// The masked kernels visit the rows a padding mask marks invalid and multiply them by exact
+// zeros (V by P = 0 in the forward and in dP; K by dS = 0 in dQ; Q by dS = 0 in dK), and
+// 0 * NaN is NaN: a NaN the caller masked would reach other rows. Those kernels run on copies
+// with the masked rows zeroed (docs/conventions.md, non-finite values). One pass over the
+// tensor, only when a mask is given and the kernel reads the rows; the packed sm_90a forward
+// never reads them and takes no copy.
+
+struct MaskedRows {
+  const std::uint16_t* src;
+  std::uint16_t* dst;
+  cuda_common::RowStrides strides;  // of src; dst is contiguous [B, S, H, dim]
+  std::int64_t seqlen, total;       // total: chunks of dst
+  int heads, chunks_per_row;
+  const std::uint8_t* mask;
+  std::int64_t mask_batch, mask_row;
+};
+
+template <int kChunk>
+__global__ void copy_masked_rows(MaskedRows a) {
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+       i < a.total; i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t c = i % a.chunks_per_row, rh = i / a.chunks_per_row;
+    const std::int64_t h = rh % a.heads, bs = rh / a.heads;
+    const std::int64_t s = bs % a.seqlen, b = bs / a.seqlen;
+    const bool keep = a.mask[b * a.mask_batch + s * a.mask_row] != 0;
+    const std::uint16_t* from =
+        a.src + b * a.strides.batch + s * a.strides.row + h * a.strides.head + c * kChunk;
+    std::uint16_t* to = a.dst + i * kChunk;
+    if constexpr (kChunk == 8)
+      *reinterpret_cast<uint4*>(to) =
+          keep ? *reinterpret_cast<const uint4*>(from) : make_uint4(0u, 0u, 0u, 0u);
+    else
+      *to = keep ? *from : std::uint16_t(0);
+  }
+}
+
+// Points `data` / `strides` (a batched [B, S, H, dim] tensor of 16-bit elements) at a copy
+// whose rows with mask[b, s] false are zero; the returned workspace holds the copy and is
+// given back (stream-ordered) after the kernels queued before its end.
+cuda_common::DeviceWorkspace zero_masked_rows(const void*& data, cuda_common::RowStrides& strides,
+                                              int batch, std::int64_t seqlen, int heads, int dim,
+                                              const std::uint8_t* mask, std::int64_t mask_batch,
+                                              std::int64_t mask_row, bool aligned16,
+                                              cudaStream_t stream) {
+  const std::int64_t elems = static_cast<std::int64_t>(batch) * seqlen * heads * dim;
+  cuda_common::DeviceWorkspace copy(static_cast<std::size_t>(elems) * 2, stream,
+                                    "the masked rows' zeroed copy");
+  if (elems == 0) return copy;
+  const bool vec = aligned16 && dim % 8 == 0;
+  const int chunk = vec ? 8 : 1;
+  MaskedRows a{static_cast<const std::uint16_t*>(data), copy.as<std::uint16_t>(), strides,
+               seqlen, elems / chunk, heads, dim / chunk, mask, mask_batch, mask_row};
+  const int threads = 256;
+  const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((a.total + threads - 1) / threads, 65535));
+  if (vec)
+    copy_masked_rows<8><<<blocks, threads, 0, stream>>>(a);
+  else
+    copy_masked_rows<1><<<blocks, threads, 0, stream>>>(a);
+  cuda_common::check_last_launch("vidattn masked-row copy");
+  data = copy.data();
+  strides = {seqlen * heads * dim, static_cast<std::int64_t>(heads) * dim, dim};
+  return copy;
+}
+
+// Zeroed copies of k and v (key mask) and, with `queries`, of q (query mask): see above.
+struct MaskedCopies {
+  std::optional<cuda_common::DeviceWorkspace> q, k, v;
+};
+MaskedCopies zero_masked_inputs(AttentionParams& kp, const AttentionProblem& p, bool queries,
+                                cudaStream_t stream) {
+  MaskedCopies c;
+  if (kp.key_mask) {
+    c.k.emplace(zero_masked_rows(kp.k, kp.k_strides, kp.batch, kp.seqlen_k, kp.heads_kv,
+                                 static_cast<int>(p.head_dim), kp.key_mask, kp.key_mask_batch,
+                                 kp.key_mask_row, kp.aligned16, stream));
+    c.v.emplace(zero_masked_rows(kp.v, kp.v_strides, kp.batch, kp.seqlen_k, kp.heads_kv,
+                                 static_cast<int>(p.head_dim_v), kp.key_mask, kp.key_mask_batch,
+                                 kp.key_mask_row, kp.aligned16, stream));
+  }
+  if (queries && kp.query_mask)
+    c.q.emplace(zero_masked_rows(kp.q, kp.q_strides, kp.batch, kp.seqlen_q, kp.heads_q,
+                                 static_cast<int>(p.head_dim), kp.query_mask,
+                                 kp.query_mask_batch, kp.query_mask_row, kp.aligned16, stream));
+  return c;
+}
+
 template <class Launch>
 void dispatch(const AttentionProblem& p, Launch&& launch) {
   cuda_common::dispatch_dtype_head_dim(p.dtype, p.head_dim, std::forward<Launch>(launch));
@@ -119,11 +209,16 @@ void cuda_attention_forward(const AttentionProblem& p, const TensorView& q, cons
             kp, D, sizeof(T), stream, [&](const AttentionParams& varlen) {
               return cuda_sm90::launch_dense_forward<T, D>(varlen, stream);
             });
-      if (!launched) launched = cuda_sm90::launch_dense_forward<T, D>(kp, stream);
+      if (!launched) {
+        AttentionParams masked = kp;
+        const MaskedCopies copies = zero_masked_inputs(masked, p, false, stream);
+        launched = cuda_sm90::launch_dense_forward<T, D>(masked, stream);
+      }
     });
     if (launched) return;
   }
 #endif
+  const MaskedCopies copies = zero_masked_inputs(kp, p, false, stream);
   dispatch(p, [&](auto t, auto d) {
     cuda_sm80::launch_forward<decltype(t), decltype(d)::value>(kp, stream);
   });
@@ -148,8 +243,11 @@ void cuda_attention_backward(const AttentionProblem& p, const TensorView& q,
   kp.aligned16 = kp.aligned16 && rows_aligned(grad_out, 16);
   kp.out_aligned4 = rows_aligned(dq, 4) && rows_aligned(dk, 4) && rows_aligned(dv, 4);
   const auto stream = static_cast<cudaStream_t>(o.stream);
+  const bool sm90 = sm90_dense_fits(p, kp, q, k, v, out) && cuda_dispatch::tma_compatible(grad_out);
+  const MaskedCopies copies = zero_masked_inputs(kp, p, true, stream);
+  (void)sm90;
 #ifdef VIDATTN_WITH_CUTLASS
-  if (sm90_dense_fits(p, kp, q, k, v, out) && cuda_dispatch::tma_compatible(grad_out)) {
+  if (sm90) {
     bool launched = false;
     dispatch(p, [&](auto t, auto d) {
       launched = cuda_sm90::launch_dense_backward<decltype(t), decltype(d)::value>(

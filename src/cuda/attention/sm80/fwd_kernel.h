@@ -197,7 +197,9 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
       const std::int64_t i = q_row + 16 * mt + 8 * r;
       if (i >= seq.len_q) continue;
       const float sum = sums[r];
-      bool empty = !(sum > 0.f);
+      // Empty: no visible key, sum exactly 0. A NaN sum (a NaN that took part in the row)
+      // writes NaN, LSE NaN (docs/conventions.md).
+      bool empty = sum == 0.f;
       if (p.query_mask && !p.query_mask[seq.batch * p.query_mask_batch + i * p.query_mask_row])
         empty = true;
       if (kSparse && i - q0 >= rows) empty = true;  // padded query slot

@@ -56,7 +56,11 @@ __device__ __forceinline__ OutputRow end_output_row(const AttentionParams& p, co
   row.sum = quad_row_sum;
   row.i = i;
   row.valid = i < seq.len_q;
-  row.empty = !(row.sum > 0.f);
+  // Empty means no visible key: the sum is exactly 0. A NaN sum (a NaN in the row's q, or in
+  // k or v of a key it sees) is not empty: it is normalised like any row and writes NaN, and
+  // the LSE comes out NaN too (docs/conventions.md). The same one compare as `!(sum > 0)`,
+  // here only, once per row: the key loop's max (fmaxf, which drops NaN) stays as it is.
+  row.empty = row.sum == 0.f;
   if (row.valid && p.query_mask &&
       !p.query_mask[seq.batch * p.query_mask_batch + i * p.query_mask_row])
     row.empty = true;
@@ -144,7 +148,8 @@ __device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits
   float sum[2], inv[2];
   for (int r = 0; r < 2; ++r) sum[r] = cuda_common::quad_sum(sm.row_sum[r]);
   // Plain rows, the usual case: the warpgroup's 64 rows exist, none is a padded query or past
-  // row_limit, and each saw a key (sum > 0). Then no row needs zeros, and the normaliser is
+  // row_limit, and each saw a key (sum > 0; a NaN sum fails it and takes the other branch,
+  // which writes NaN). Then no row needs zeros, and the normaliser is
   // MUFU's reciprocal alone, its log2 too: the base is at or below the row's max, whose key
   // adds exp2(~0) = ~1, so the sum is ~1 or more and has no denormal or overflow to handle.
   const std::int64_t rows_end = q0 + 64 * (wg + 1);

@@ -1,0 +1,74 @@
+"""A short run of the fuzz harness (python -m vidattn.fuzz) on the CPU: random configurations
+of every op against the float64 reference, and the catalogue of bad inputs in a worker
+process. Zero failures and zero crashes; catalogue entries that wait for other work are
+listed as expected failures by the catalogue itself."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import vidattn.fuzz.__main__ as fuzz
+from vidattn.fuzz import catalogue, configs
+
+
+def test_fuzz_short_cpu_run(tmp_path):
+    summary = tmp_path / "fuzz.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "vidattn.fuzz", "--device", "cpu", "--count", "36", "--seed",
+         "20261206", "--time-budget", "30", "--json", str(summary)],
+        capture_output=True, text=True, timeout=300,
+        env=fuzz_env())
+    assert summary.exists(), proc.stdout + proc.stderr
+    s = json.loads(summary.read_text())
+    assert s["failures"] == 0 and s["crashes"] == 0 and s["catalogue_failures"] == 0, \
+        json.dumps(s["failed"], indent=1)
+    assert s["configurations"] >= 12, "the time budget left too few configurations"
+    assert s["passed"] + s["unsupported"] == s["configurations"]
+    assert s["catalogue"] == len(catalogue.entries_for("cpu"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def fuzz_env():
+    import os
+    import vidattn
+    env = dict(os.environ)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(vidattn.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (root, env.get("PYTHONPATH")) if x)
+    return env
+
+
+def test_configurations_are_reproducible():
+    # The same (op, seed) gives the same configuration: the printed repro rebuilds it.
+    for op in configs.OPS:
+        assert configs.draw(op, 7, "cpu") == configs.draw(op, 7, "cpu")
+    assert "run_config('vsa', 7, 'cpu')" in configs.repro("vsa", 7, "cpu")
+
+
+def test_a_wrong_kernel_is_caught():
+    # The rule fails a result that is off: the harness can fail.
+    import torch
+    ref = torch.randn(4, 8, dtype=torch.float64)
+    base = ref.to(torch.bfloat16)
+    bad = base.double() + 0.5
+    try:
+        configs.check("x", bad, ref, base, torch.bfloat16)
+    except configs.Mismatch:
+        pass
+    else:
+        raise AssertionError("a 0.5 error passed the rule")
+    nan = base.clone()
+    nan[0, 0] = float("nan")
+    try:
+        configs.check("x", nan, ref, base, torch.bfloat16)
+    except configs.Mismatch:
+        return
+    raise AssertionError("a NaN where the reference is finite passed")
+
+
+def test_a_crash_counts_as_a_crash():
+    pool = fuzz.Pool("cpu", prefix=[sys.executable, "-c",
+                                    "import os, sys; sys.stdin.readline(); os.abort()", "--"])
+    res = pool.run({"type": "config", "op": "dense", "seed": 0})
+    assert res["status"] == "crash"
+    pool.close()
