@@ -167,9 +167,11 @@ def block_sparse_attention(
     query slots past ``q_block_sizes[tile]`` output 0 (LSE -inf). A query tile with count 0
     outputs zeros with LSE -inf. Key tiles nobody selected get zero dK, dV. The transposed index
     for the backward is built only when a gradient is needed. ``deterministic=False`` lets the
-    Hopper backward of 128- and 256-token tiles add dQ in an order that varies (faster); the
-    CPU, the portable CUDA kernels and 64-token tiles are deterministic whatever it says. Returns out ``[B, Sq, Hq, Dv]`` and with ``return_lse``
-    the natural-log LSE ``[B, Hq, Sq]`` (float32; float64 for float64 inputs).
+    Hopper backward of 128- and 256-token tiles add dQ in an order that varies (faster;
+    docs/design.md, "Determinism"); the CPU, the portable CUDA kernels and 64-token tiles are
+    deterministic whatever it says. Returns out
+    ``[B, Sq, Hq, Dv]`` and with ``return_lse`` the natural-log LSE ``[B, Hq, Sq]`` (float32;
+    float64 for float64 inputs).
 
     The index is checked (ids in range and ascending, counts in ``[0, MaxK]``) and a bad one
     raises ``ValueError``. On CUDA the check runs on the device and waits for its verdict (one
@@ -233,6 +235,7 @@ def video_sparse_attention(
     gate: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     return_selection: bool = False,
+    deterministic: bool = True,
     sm_margin: int = 0,
 ):
     """Video Sparse Attention on tiled ``[B, S, H, D]`` tensors.
@@ -248,8 +251,10 @@ def video_sparse_attention(
     (cross attention); both need the same tile volume. Packed tilings need B == 1 and the
     same number of videos. ``gate`` has the output's shape ``[B, Sq, Hq, Dv]`` (q's shape
     when v's head dim Dv equals D). Gradients flow to q, k, v and gate (the selection is a
-    constant). All tensors, and the tilings' metadata, must be on one device. With ``return_selection`` also returns ``(q2k_index,
-    q2k_count)``. ``sm_margin`` is passed to the fine branch (see ``block_sparse_attention``).
+    constant). All tensors, and the tilings' metadata, must be on one device. With
+    ``return_selection`` also returns ``(q2k_index, q2k_count)``. ``deterministic`` (the
+    backward's dQ order) and ``sm_margin`` are passed to the attention of both branches (see
+    ``block_sparse_attention``).
     """
     kv_tiling, topk = _check_vsa_args(q, k, v, tiling, kv_tiling, topk, sparsity)
     out_shape = (*q.shape[:-1], v.shape[-1])
@@ -259,7 +264,7 @@ def video_sparse_attention(
                          f"{tuple(gate.shape) if isinstance(gate, torch.Tensor) else type(gate)}")
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, gate)):
         o_s, o_c, selection = _vsa_branches(q, k, v, tiling, kv_tiling, topk, sparsity, scale,
-                                             sm_margin)
+                                             sm_margin, deterministic=deterministic)
         # out = o_s + gate * (o_c on each tile's valid slots), in one pass.
         out = _ops.vsa_combine(o_s, o_c, gate, tiling.block_sizes, tiling.tile_volume)
     else:
@@ -308,22 +313,24 @@ def _resolve_topk(topk, sparsity, kv_tiling: VideoTiling) -> int:
 
 
 def _vsa_branches(q, k, v, tiling: VideoTiling, kv_tiling: VideoTiling, topk: int, sparsity,
-                  scale, sm_margin: int):
+                  scale, sm_margin: int, *, deterministic: bool = True):
     """video_sparse_attention before its combination, on arguments checked by
     _check_vsa_args: the fine output ``o_s`` (tiled like q), the coarse output ``o_c``
     ``[B, Tiles, H, Dv]`` and the selection ``(q2k_index, q2k_count)``. The stages are
     separate functions because the sequence-parallel layer runs them as its inputs arrive
     and combines the branches itself, on the rows each rank holds."""
-    o_c, selection = _vsa_coarse_and_selection(q, k, v, tiling, kv_tiling, topk, sparsity, scale)
-    o_s = _vsa_fine(q, k, v, selection, tiling, kv_tiling, scale, sm_margin)
+    o_c, selection = _vsa_coarse_and_selection(q, k, v, tiling, kv_tiling, topk, sparsity, scale,
+                                               deterministic=deterministic)
+    o_s = _vsa_fine(q, k, v, selection, tiling, kv_tiling, scale, sm_margin,
+                    deterministic=deterministic)
     return o_s, o_c, selection
 
 
 def _vsa_coarse_and_selection(q, k, v, tiling: VideoTiling, kv_tiling: VideoTiling, topk: int,
-                              sparsity, scale):
+                              sparsity, scale, *, deterministic: bool = True):
     """The coarse output ``o_c`` and the selection, from the tile means of q, k, v."""
     q_c, k_c, v_c = (_vsa_pool(x, t) for x, t in ((q, tiling), (k, kv_tiling), (v, kv_tiling)))
-    o_c = _vsa_coarse(q_c, k_c, v_c, tiling, kv_tiling, scale)
+    o_c = _vsa_coarse(q_c, k_c, v_c, tiling, kv_tiling, scale, deterministic=deterministic)
     selection = _vsa_select(q_c, k_c, tiling, kv_tiling, topk, sparsity, scale)
     return o_c, selection
 
@@ -333,15 +340,17 @@ def _vsa_pool(x, tiling: VideoTiling):
     return _ops.tile_mean_pool(x, tiling.block_sizes, tiling.tile_volume)
 
 
-def _vsa_coarse(q_c, k_c, v_c, tiling: VideoTiling, kv_tiling: VideoTiling, scale):
+def _vsa_coarse(q_c, k_c, v_c, tiling: VideoTiling, kv_tiling: VideoTiling, scale, *,
+                deterministic: bool = True):
     """The coarse branch: dense attention over the tile means (per video when packed)."""
     if tiling.packed:
         o_c, _ = _ops.attention_varlen(
             q_c[0], k_c[0], v_c[0], tiling.cu_tiles, kv_tiling.cu_tiles,
             tiling.max_tiles_per_video, kv_tiling.max_tiles_per_video, scale=scale,
+            deterministic=deterministic,
             validate_index=False)  # the tilings' own offsets: valid by construction
         return o_c.unsqueeze(0)
-    o_c, _ = _ops.attention(q_c, k_c, v_c, scale=scale)
+    o_c, _ = _ops.attention(q_c, k_c, v_c, scale=scale, deterministic=deterministic)
     return o_c
 
 
@@ -356,12 +365,13 @@ def _vsa_select(q_c, k_c, tiling: VideoTiling, kv_tiling: VideoTiling, topk: int
 
 
 def _vsa_fine(q, k, v, selection, tiling: VideoTiling, kv_tiling: VideoTiling, scale,
-              sm_margin: int):
+              sm_margin: int, *, deterministic: bool = True):
     """The fine branch: block-sparse attention over the selected key tiles."""
     q2k_index, q2k_count = selection
     o_s, _ = _ops.block_sparse_attention(
         q, k, v, q2k_index, q2k_count, tile_volume=tiling.tile_volume,
         q_block_sizes=tiling.block_sizes, kv_block_sizes=kv_tiling.block_sizes, scale=scale,
+        deterministic=bool(deterministic),
         validate_index=False,  # built by topk_tiles: valid by construction
         sm_margin=int(sm_margin))
     return o_s

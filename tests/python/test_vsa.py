@@ -462,6 +462,23 @@ def test_vsa_deterministic_backward_50_runs():
                 assert torch.equal(a, b)
 
 
+def test_vsa_deterministic_false_is_the_same_op_on_the_cpu():
+    """deterministic=False reaches both branches' attention ops (a wrong keyword would raise)
+    and changes nothing but the order of the Hopper backward's dQ adds: on the CPU the same
+    bits."""
+    t = vidattn.VideoTiling((5, 7, 9), (4, 4, 4))
+    q, k, v = (randn((1, t.padded_len, 2, 64), s, torch.float32).requires_grad_()
+               for s in (64, 65, 66))
+    dout = randn(q.shape, 67, torch.float32)
+    runs = []
+    for deterministic in (True, False):
+        out = vidattn.video_sparse_attention(q, k, v, tiling=t, topk=3,
+                                             deterministic=deterministic)
+        runs.append((out, *torch.autograd.grad(out, (q, k, v), dout)))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 def test_vsa_inference_forward_equals_training_forward():
     t = vidattn.VideoTiling((5, 7, 9), (4, 4, 4))
     q, k, v = (randn((1, t.padded_len, 2, 64), s, torch.bfloat16) for s in (64, 65, 66))

@@ -41,12 +41,14 @@ def _inputs(case, device):
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-kv{c[2]}-k{c[3]}-"
                          f"g{int(c[4])}-s{c[5]}-B{c[6]}H{c[7]}/{c[8]}D{c[9]}-{str(c[10])[6:]}")
-def test_vsa_cuda_matches_float64_reference(case):
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "fused"])
+def test_vsa_cuda_matches_float64_reference(case, deterministic):
     grid, tile, kv_grid, topk, use_gate, _, _, _, _, _, dtype = case
     t, kt, q, k, v, gate, dout = _inputs(case, DEV)
     inputs = [x.requires_grad_() for x in (q, k, v, gate) if x is not None]
     out, (idx, cnt) = vidattn.video_sparse_attention(
-        q, k, v, tiling=t, kv_tiling=kt, topk=topk, gate=gate, return_selection=True)
+        q, k, v, tiling=t, kv_tiling=kt, topk=topk, gate=gate, return_selection=True,
+        deterministic=deterministic)
     assert out.device.type == DEV and idx.device.type == DEV
     grads = torch.autograd.grad(out, inputs, dout)
 

@@ -11,6 +11,9 @@
 #             FastVideo's Triton (FASTVIDEO_DIR, default .xfer/fv) and ThunderKittens
 #             (built from TK_DIR, default build/tk, by tools/peers/thunderkittens_peer.sh)
 #             kernels and FlexAttention -> $OUT/blocksparse-bwd.json
+#   vsa       the case runner on the whole VSA op (VSA_SHAPES, default vsa-480p; vsa-video adds
+#             Wan 720p), both directions, against cuDNN dense on the same tensors and
+#             FastVideo's VSA op -> $OUT/vsa.json
 #   suite     the case runner on SUITE_SHAPES (default gpu-suite), both directions
 #             -> $OUT/gpu-suite.json
 #   OUT=$OUT STAGES="smoke pytest dense" bash tools/gpu/bwd_check.sh
@@ -22,7 +25,7 @@ mkdir -p "$OUT"
 t0=$SECONDS
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 if [ ! -f build/branch/_vidattn_ops.so ]; then
-  OUT=$OUT bash tools/gpu/branch_check.sh || exit 1
+  OUT=$OUT PYTEST_PATHS= BENCH= bash tools/gpu/branch_check.sh || exit 1
 else
   if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -82,6 +85,12 @@ if has peers; then
     --out "$OUT/blocksparse-bwd.json" >"$OUT/peers.log" 2>&1
   echo "peers rc=$? at $((SECONDS - t0))s"
   tail -n 20 "$OUT/peers.log"
+fi
+if has vsa; then
+  timeout "${VSA_TIMEOUT:-240}" python3 -m vidattn.bench --cases vsa --shapes ${VSA_SHAPES:-vsa-480p} \
+    --directions fwd,bwd --ref-heads 1 --no-progress --out "$OUT/vsa.json" >"$OUT/vsa.log" 2>&1
+  echo "vsa rc=$? at $((SECONDS - t0))s"
+  tail -n 16 "$OUT/vsa.log"
 fi
 if has suite; then
   timeout "${SUITE_TIMEOUT:-400}" python3 -m vidattn.bench --shapes ${SUITE_SHAPES:-gpu-suite} \

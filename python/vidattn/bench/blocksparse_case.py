@@ -127,7 +127,13 @@ class BlockSparseInputs(QkvLayoutInputs):
 
 
 class VidattnBlockSparse(Impl):
-    name, backend, is_ours = "vidattn", "vidattn.block_sparse_attention", True
+    """vidattn.block_sparse_attention; ``deterministic=False`` is the row "vidattn-nondet"
+    (the backward's dQ added in any order)."""
+    backend, is_ours = "vidattn.block_sparse_attention", True
+
+    def __init__(self, deterministic: bool = True):
+        self.deterministic = deterministic
+        self.name = "vidattn" if deterministic else "vidattn-nondet"
 
     def unavailable_reason(self, device):
         return missing_vidattn_op("block_sparse_attention")
@@ -138,6 +144,7 @@ class VidattnBlockSparse(Impl):
         return vidattn.block_sparse_attention(inputs.q, inputs.k, inputs.v, inputs.q2k_index,
                                               inputs.q2k_count, tile_volume=inputs.tile,
                                               scale=inputs.scale,
+                                              deterministic=self.deterministic,
                                               # The bench builds a valid selection, and the
                                               # peers do not check theirs either.
                                               validate_index=False)
@@ -282,6 +289,8 @@ class BlockSparseCase(Case):
 def blocksparse_case(device: torch.device) -> BlockSparseCase:
     impls = [VidattnBlockSparse(), FlexBlockSparse(device.type), FastVideoBlockSparse(),
              ThunderKittensBlockSparse()]
+    if device.type == "cuda":  # the CPU backward is deterministic either way
+        impls.insert(1, VidattnBlockSparse(deterministic=False))
     # vidattn's x-peer column: FastVideo's Triton kernel first (the strongest peer), then Flex;
     # the JSON has the ratio to every peer that ran.
     return BlockSparseCase(impls, peer_order=("fastvideo-triton", "flex"))

@@ -116,6 +116,8 @@ PRESETS: dict[str, Preset] = {
                          vsa(1, 40, (21, 45, 80), 128, 0.9, "Wan2.1-14B 720p")),
                         directions=("fwd",),
                         about="VSA vs dense at the Wan shapes (GPU)"),
+    "vsa-480p": Preset((vsa(1, 12, (21, 30, 52), 128, 0.9, "Wan2.1-1.3B 480p"),),
+                       about="VSA vs dense at Wan2.1-1.3B 480p, forward and backward (GPU)"),
     "cpu-4k": Preset((dense(1, 4, 4096, 64), dense(1, 4, 4096, 128)), directions=("fwd",),
                      dtypes=("fp32", "bf16"), cpu_min_repeats=7,
                      about="the CPU acceptance measurement: forward, fp32 and bf16"),

@@ -44,8 +44,14 @@ class VsaInputs(QkvLayoutInputs):
 
 
 class VidattnVsa(Impl):
-    name, backend, is_ours = "vidattn-vsa", "vidattn.video_sparse_attention", True
+    """vidattn.video_sparse_attention; ``deterministic=False`` is the row "vidattn-vsa-nondet"
+    (the backward's dQ added in any order)."""
+    backend, is_ours = "vidattn.video_sparse_attention", True
     reference_kind = "vsa"
+
+    def __init__(self, deterministic: bool = True):
+        self.deterministic = deterministic
+        self.name = "vidattn-vsa" if deterministic else "vidattn-vsa-nondet"
 
     def unavailable_reason(self, device):
         return missing_vidattn_op("block_sparse_attention")
@@ -54,7 +60,8 @@ class VidattnVsa(Impl):
         import vidattn
 
         return vidattn.video_sparse_attention(inputs.q, inputs.k, inputs.v, tiling=inputs.tiling,
-                                              sparsity=inputs.sparsity, scale=inputs.scale)
+                                              sparsity=inputs.sparsity, scale=inputs.scale,
+                                              deterministic=self.deterministic)
 
 
 class VidattnDenseOverTokens(Impl):
@@ -248,8 +255,8 @@ class VsaCase(Case):
 
 def vsa_case(device: torch.device) -> VsaCase:
     if device.type == "cuda":
-        return VsaCase([VidattnVsa(), VidattnDenseOverTokens(), SdpaOnPadded("CUDNN_ATTENTION"),
-                        FastVideoVsa()],
+        return VsaCase([VidattnVsa(), VidattnVsa(deterministic=False), VidattnDenseOverTokens(),
+                        SdpaOnPadded("CUDNN_ATTENTION"), FastVideoVsa()],
                        peer_order=("sdpa-cudnn", "vidattn-dense"))
     # The ratio is to our dense attention (the issue's measure); PyTorch's SDPA on the same
     # padded tensors is there for context.
