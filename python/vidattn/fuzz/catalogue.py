@@ -4,9 +4,9 @@ failure (a silent answer to a bad input), and a crash (signal, abort) is counted
 Entries of kind "ok" are inputs that must work (NaN, empty tensors): their code asserts what
 must hold, and any exception fails them.
 
-`expect_fail` holds the reason an entry fails today, for work that lands elsewhere (issue 48's
-device and bounds checks): such an entry is reported (xfail, or xpass once fixed) but does not
-fail the run.
+`expect_fail` holds the reason an entry fails today, for work that is known and planned
+elsewhere: such an entry is reported (xfail, or xpass once fixed) but does not fail the run.
+No entry needs it now.
 """
 from __future__ import annotations
 
@@ -29,8 +29,6 @@ nan = float('nan')
 """
 
 RAISE, OK = "raise", "ok"
-SAFETY = "needs issue48-safety (device and meta checks)"
-BOUNDS = "needs issue48-safety (cu_seqlens validated on CUDA, issue 48 item 4)"
 
 
 @dataclass(frozen=True)
@@ -61,23 +59,21 @@ ENTRIES = [
     Entry("attention.query_mask_shape", "vidattn.attention(q, k, v, query_padding_mask=torch.ones(B, 3, dtype=torch.bool, device=dev))"),
     Entry("attention.not_tensor", "vidattn.attention(q, k, [1, 2])"),
     # device and meta mixing
-    Entry("attention.meta_k", "vidattn.attention(q, k.to('meta'), v)", expect_fail=SAFETY),
-    Entry("attention.meta_key_mask", "vidattn.attention(q, k, v, key_padding_mask=torch.ones(B, S, dtype=torch.bool, device='meta'))", expect_fail=SAFETY),
-    Entry("attention.cpu_cuda_mix", "vidattn.attention(q, k.cpu(), v)", devices=("cuda",),
-          expect_fail=SAFETY),
-    Entry("rope.meta_tables", "vidattn.apply_rope(r(2, 5, 3, 8), torch.randn(5, 4, device='meta'), torch.randn(5, 4, device='meta'))", expect_fail=SAFETY),
+    Entry("attention.meta_k", "vidattn.attention(q, k.to('meta'), v)"),
+    Entry("attention.meta_key_mask", "vidattn.attention(q, k, v, key_padding_mask=torch.ones(B, S, dtype=torch.bool, device='meta'))"),
+    Entry("attention.cpu_cuda_mix", "vidattn.attention(q, k.cpu(), v)", devices=("cuda",)),
+    Entry("rope.meta_tables", "vidattn.apply_rope(r(2, 5, 3, 8), torch.randn(5, 4, device='meta'), torch.randn(5, 4, device='meta'))"),
     Entry("rope.odd_dim", "vidattn.apply_rope(r(2, 5, 3, 7), torch.randn(5, 3, device=dev), torch.randn(5, 3, device=dev))"),
     Entry("rope.table_shape", "vidattn.apply_rope(r(2, 5, 3, 8), torch.randn(6, 4, device=dev), torch.randn(6, 4, device=dev))"),
     Entry("rope.cos_sin_mismatch", "vidattn.apply_rope(r(2, 5, 3, 8), torch.randn(5, 4, device=dev), torch.randn(5, 8, device=dev))"),
     # varlen
     Entry("varlen.cu_dtype", "vidattn.attention_varlen(q[0], k[0], v[0], cu.long(), cu, 40, 40)"),
-    Entry("varlen.cu_start", "vidattn.attention_varlen(q[0], k[0], v[0], cu + 1, cu, 40, 40)", expect_fail=BOUNDS, expect_fail_on=("cuda",)),
-    Entry("varlen.cu_decreasing", "vidattn.attention_varlen(q[0], k[0], v[0], torch.tensor([0, 50, 40, 70], dtype=torch.int32, device=dev), cu, 70, 70)", expect_fail=BOUNDS, expect_fail_on=("cuda",)),
-    Entry("varlen.cu_past_end", "vidattn.attention_varlen(q[0], k[0], v[0], torch.tensor([0, 30, 90], dtype=torch.int32, device=dev), cu, 60, 40)",
-          expect_fail=BOUNDS, expect_fail_on=("cuda",)),
+    Entry("varlen.cu_start", "vidattn.attention_varlen(q[0], k[0], v[0], cu + 1, cu, 40, 40)"),
+    Entry("varlen.cu_decreasing", "vidattn.attention_varlen(q[0], k[0], v[0], torch.tensor([0, 50, 40, 70], dtype=torch.int32, device=dev), cu, 70, 70)"),
+    Entry("varlen.cu_past_end", "vidattn.attention_varlen(q[0], k[0], v[0], torch.tensor([0, 30, 90], dtype=torch.int32, device=dev), cu, 60, 40)"),
     Entry("varlen.cu_count_mismatch", "vidattn.attention_varlen(q[0], k[0], v[0], cu, cu[:2], 40, 40)"),
-    Entry("varlen.max_seqlen_small", "vidattn.attention_varlen(q[0], k[0], v[0], cu, cu, 5, 5)", expect_fail=BOUNDS, expect_fail_on=("cuda",)),
-    Entry("varlen.meta_cu", "vidattn.attention_varlen(q[0], k[0], v[0], cu.to('meta'), cu, 40, 40)", expect_fail=SAFETY),
+    Entry("varlen.max_seqlen_small", "vidattn.attention_varlen(q[0], k[0], v[0], cu, cu, 5, 5)"),
+    Entry("varlen.meta_cu", "vidattn.attention_varlen(q[0], k[0], v[0], cu.to('meta'), cu, 40, 40)"),
     Entry("varlen.cu_2d", "vidattn.attention_varlen(q[0], k[0], v[0], cu[None], cu, 40, 40)"),
     # block-sparse
     Entry("block_sparse.index_out_of_range", "vidattn.block_sparse_attention(bq, bk, bv, idx + 5, cnt)"),
@@ -88,15 +84,16 @@ ENTRIES = [
     Entry("block_sparse.seq_not_multiple", "vidattn.block_sparse_attention(bq[:, :60], bk, bv, idx, cnt)"),
     Entry("block_sparse.tile_volume", "vidattn.block_sparse_attention(bq, bk, bv, idx, cnt, tile_volume=48)"),
     Entry("block_sparse.block_sizes_too_big", "vidattn.block_sparse_attention(bq, bk, bv, idx, cnt, kv_block_sizes=torch.tensor([65, 64], dtype=torch.int32, device=dev))"),
-    Entry("block_sparse.meta_index", "vidattn.block_sparse_attention(bq, bk, bv, idx.to('meta'), cnt)", expect_fail=SAFETY),
+    Entry("block_sparse.meta_index", "vidattn.block_sparse_attention(bq, bk, bv, idx.to('meta'), cnt)"),
     # VSA
-    Entry("vsa.tiling_float_grid", "vidattn.VideoTiling((4.7, 4, 4))", expect_fail="issue 48 item 5 (issue48-safety)"),
+    Entry("vsa.tiling_float_grid", "vidattn.VideoTiling((4.7, 4, 4))"),
     Entry("vsa.tile_volume", "vidattn.VideoTiling((4, 4, 4), (3, 4, 4))"),
     Entry("vsa.untiled_input", "t = vidattn.VideoTiling((4, 4, 4), device=dev); vidattn.video_sparse_attention(r(1, 63, 2, D), r(1, 63, 2, D), r(1, 63, 2, D), tiling=t, topk=1)"),
     Entry("vsa.gate_shape", "t = vidattn.VideoTiling((4, 8, 4), device=dev); x = r(1, 128, 2, D); vidattn.video_sparse_attention(x, x, x, tiling=t, topk=1, gate=r(1, 128, 2, 8))"),
     Entry("vsa.gate_with_dv_ne_d", "t = vidattn.VideoTiling((4, 8, 4), device=dev); x = r(1, 128, 2, D)\n"
           "o = vidattn.video_sparse_attention(x, x, r(1, 128, 2, 32), tiling=t, topk=1, gate=r(1, 128, 2, 32))\n"
-          "assert o.shape == (1, 128, 2, 32)", kind=OK, expect_fail="issue 48 item 5: the gate has the output's shape (issue48-safety)"),
+          "assert o.shape == (1, 128, 2, 32)", kind=OK,
+          expect_fail="CUDA takes Dv != D once issue 48's head dims land", expect_fail_on=("cuda",)),
     Entry("vsa.topk_zero", "t = vidattn.VideoTiling((4, 8, 4), device=dev); x = r(1, 128, 2, D); vidattn.video_sparse_attention(x, x, x, tiling=t, topk=0)"),
     Entry("gather_tokens.rank3", "torch.ops.vidattn.gather_tokens(r(4, 2, 8), torch.zeros(4, dtype=torch.int32, device=dev))"),
     # must work: NaN and empty tensors

@@ -62,8 +62,6 @@ def draw(op: str, seed: int, device: str) -> dict:
                    q_tiles=r.choice((1, 2, 3, 5)), kv_tiles=r.choice((1, 2, 4, 6)),
                    b=r.choice((1, 2)), gate=r.random() < 0.5)
         if op == "vsa":
-            if cfg["gate"]:  # a gate of q's shape that is also the output's (issue 48, item 5)
-                cfg["dv"] = cfg["d"]
             cfg.update(b=1, grid=(r.choice((2, 4, 5)), r.choice((4, 6, 8)), r.choice((4, 7, 8))))
     elif op == "rope":
         cfg.update(b=r.choice((1, 2)), s=r.choice((1, 5, 33, 100)), d=r.choice((2, 8, 64, 128)),
