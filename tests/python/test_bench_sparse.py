@@ -306,7 +306,9 @@ def test_runner_marks_unavailable_and_broken_rows_and_catches_a_wrong_peer(tmp_p
 def test_cuda_sparse_peers_are_listed_and_say_why_elsewhere():
     cases = {c.name: c for c in cases_for(torch.device("cuda"))}
     sparse = {i.name: i for i in cases["blocksparse"].impls}
-    assert set(sparse) == {"vidattn", "flex", "fastvideo-triton", "fastvideo-tk"}
+    assert set(sparse) == {"vidattn", "vidattn-nondet", "flex", "fastvideo-triton",
+                           "fastvideo-tk"}
+    assert not sparse["vidattn-nondet"].deterministic and sparse["vidattn"].deterministic
     assert "sm_90" in sparse["fastvideo-tk"].unavailable_reason(CPU)
     assert "bf16" in sparse["fastvideo-tk"].skip_reason(CPU, torch.float16,
                                                         shapes.block_sparse(1, 1, 64, 64, 0.5))
@@ -316,7 +318,7 @@ def test_cuda_sparse_peers_are_listed_and_say_why_elsewhere():
     shape = shapes.block_sparse(1, 1, 64, 8, 0.5)
     assert "bf16" in sparse["fastvideo-triton"].skip_reason(CPU, torch.float32, shape)
     vsa = {i.name for i in cases["vsa"].impls}
-    assert {"vidattn-vsa", "sdpa-cudnn", "fastvideo-vsa"} <= vsa
+    assert {"vidattn-vsa", "vidattn-vsa-nondet", "sdpa-cudnn", "fastvideo-vsa"} <= vsa
     info = peers.fastvideo_info()
     assert set(info) >= {"available"} and (info["available"] or "reason" in info)
 
