@@ -14,8 +14,8 @@
 // (all keys masked, Sk == 0, or a padded query) outputs 0 and has LSE -inf; it receives and
 // contributes zero gradient.
 //
-// CUDA tensors: bfloat16 / float16 with D = Dv = 64 or 128 (anything else throws
-// NotImplementedError); the work is queued on options.stream without host synchronisation.
+// CUDA tensors: bfloat16 / float16 with D and Dv multiples of 8 from 8 to 256 (anything else
+// throws NotImplementedError); the work is queued on options.stream without host synchronisation.
 // cu_seqlens are then read on the device and not validated: offsets are clamped to the rows
 // of q / k and lengths to max_seqlen_*, so bad offsets cannot access out of bounds but give
 // wrong results for the sequences concerned.
