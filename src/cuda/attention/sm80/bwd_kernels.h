@@ -185,10 +185,10 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
       __syncthreads();
 
       float s[KW / 8][4], dp[KW / 8][4];
-      qk_logits<T, D, KW>(s, q_tile, wq * 16, k_tile, wk * KW);
+      qk_logits<T, D, KW, kPadded>(s, q_tile, wq * 16, k_tile, wk * KW, cols_qk);
       const bool needs_mask = kSparse ? k_valid < BK : mask.block_needs_mask(q0, k0, BK);
       scale_and_mask<KW>(s, p.scale, mask, needs_mask, q_row, k0 + wk * KW);
-      qk_logits<T, D, KW>(dp, do_tile, wq * 16, v_tile, wk * KW);
+      qk_logits<T, D, KW, kPadded>(dp, do_tile, wq * 16, v_tile, wk * KW, cols_v);
       probs_and_dscores<KW>(s, dp, rs);
 #pragma unroll
       for (int n = 0; n < KW / 8; ++n)
@@ -212,13 +212,18 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
         for (int np = 0; np < DW / 16; ++np) {
           const int b_at = swizzle<D>(kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                       wk * (DW / 8) + np * 2 + (lane >> 4));
+          const int col0 = wk * DW + np * 16;  // padded: columns past the real dims stay 0
           std::uint32_t bf[4];
-          ldmatrix_x4_trans(bf, smem_addr(do_tile + b_at));
-          Mma<T>::run(dv[2 * np], ap, bf[0], bf[1]);
-          Mma<T>::run(dv[2 * np + 1], ap, bf[2], bf[3]);
-          ldmatrix_x4_trans(bf, smem_addr(q_tile + b_at));
-          Mma<T>::run(dk[2 * np], ads, bf[0], bf[1]);
-          Mma<T>::run(dk[2 * np + 1], ads, bf[2], bf[3]);
+          if (!kPadded || col0 < cols_v) {
+            ldmatrix_x4_trans(bf, smem_addr(do_tile + b_at));
+            Mma<T>::run(dv[2 * np], ap, bf[0], bf[1]);
+            Mma<T>::run(dv[2 * np + 1], ap, bf[2], bf[3]);
+          }
+          if (!kPadded || col0 < cols_qk) {
+            ldmatrix_x4_trans(bf, smem_addr(q_tile + b_at));
+            Mma<T>::run(dk[2 * np], ads, bf[0], bf[1]);
+            Mma<T>::run(dk[2 * np + 1], ads, bf[2], bf[3]);
+          }
         }
       }
     }
@@ -303,11 +308,11 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
     const RowBlock kb = visit.block(step);
     const std::int64_t k0 = kb.start;
     float s[BK / 8][4], dp[BK / 8][4];
-    qk_logits<T, D, BK>(s, q_tile, warp * 16, k_tile, 0);
+    qk_logits<T, D, BK, kPadded>(s, q_tile, warp * 16, k_tile, 0, cols_qk);
     const MaskInfo block_mask = kSparse ? key_limit_mask(seq.len_q, k0 + kb.valid) : mask;
     const bool needs_mask = kSparse ? kb.valid < BK : mask.block_needs_mask(q0, k0, BK);
     scale_and_mask<BK>(s, p.scale, block_mask, needs_mask, q_row, k0);
-    qk_logits<T, D, BK>(dp, do_tile, warp * 16, v_tile, 0);
+    qk_logits<T, D, BK, kPadded>(dp, do_tile, warp * 16, v_tile, 0, cols_v);
     probs_and_dscores<BK>(s, dp, rs);
     // dQ += dS K (the scale is applied once at the end).
 #pragma unroll
@@ -319,6 +324,7 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
       a[3] = Mma<T>::pack(dp[2 * kt + 1][2], dp[2 * kt + 1][3]);
 #pragma unroll
       for (int np = 0; np < D / 16; ++np) {
+        if (kPadded && np * 16 >= cols_qk) break;  // padded: dQ columns past D stay 0
         std::uint32_t bk[4];
         ldmatrix_x4_trans(bk, smem_addr(k_tile + swizzle<D>(kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                             np * 2 + (lane >> 4))));

@@ -117,6 +117,7 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
       for (int n = 0; n < BK / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
+      if (kPadded && kk * 16 >= cols_qk) break;  // padded: the rest adds exact zeros
       std::uint32_t a[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -186,6 +187,7 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
       }
 #pragma unroll
       for (int np = 0; np < D / 16; ++np) {
+        if (kPadded && np * 16 >= cols_v) break;  // padded: O columns past Dv stay 0
         std::uint32_t bv[4];
         ldmatrix_x4_trans(bv, smem_addr(v_tile + swizzle<D>(kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                             np * 2 + (lane >> 4))));
