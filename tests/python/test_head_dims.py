@@ -1,7 +1,8 @@
 """Head dims D (q, k) != Dv (v) at the shape level, CPU-only (runs in CI): the Meta kernels of
 every attention op give the output v's head dim and the gradients their input's shape,
 directly on meta tensors and under FakeTensorMode (what torch.compile traces with); the CPU
-op agrees. The CUDA kernels' numbers are in test_head_dims_cuda.py."""
+op agrees; and the sm80 instance files match their generator and the dispatch's widths. The
+CUDA kernels' numbers are in test_head_dims_cuda.py."""
 from __future__ import annotations
 
 import pytest
@@ -81,3 +82,27 @@ def test_fake_tensor_mode_matches_the_cpu_op(dims):
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     grads = torch.autograd.grad(vidattn.attention(*leaves, causal=True).sum(), leaves)
     assert [g.shape for g in grads] == [t.shape for t in (q, k, v)]
+
+
+def test_sm80_instances_are_the_generators_output_and_cover_the_dispatch_widths():
+    """The committed instance files are exactly what tools/codegen/gen_sm80_instances.py
+    writes, and the padded widths the dispatch maps to (src/cuda/dispatch/head_dims.h) are the
+    generator's."""
+    import importlib.util
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    spec = importlib.util.spec_from_file_location(
+        "gen_sm80_instances", root / "tools" / "codegen" / "gen_sm80_instances.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    written = {name: gen.TEMPLATE.format(**fields) for name, fields in gen.files()}
+    committed = {p.name: p.read_text() for p in gen.DIR.glob("attn_*_sm80.cu")}
+    assert committed == written
+    dispatch = (root / "src" / "cuda" / "dispatch" / "head_dims.h").read_text()
+    padded = {int(w) for w in re.findall(r"integral_constant<int, (\d+)>\{\}, std::true_type",
+                                         dispatch)}
+    exact = {int(w) for w in re.findall(r"integral_constant<int, (\d+)>\{\}, std::false_type",
+                                        dispatch)}
+    assert padded == set(gen.PADDED_WIDTHS) and exact == set(gen.EXACT_WIDTHS)
