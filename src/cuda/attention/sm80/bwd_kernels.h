@@ -139,9 +139,9 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
   // Real columns of the q / k and the v / dO tiles (exact instances: the width, a constant).
   const int cols_qk = kPadded ? p.head_dim : D, cols_v = kPadded ? p.head_dim_v : D;
   load_head_tile<BK, D, C::kDkdvThreads, kPadded>(k_tile, k, p.k_strides.row, k_valid, p.aligned16,
-                                             cols_qk);
+                                                  cols_qk);
   load_head_tile<BK, D, C::kDkdvThreads, kPadded>(v_tile, v, p.v_strides.row, k_valid, p.aligned16,
-                                             cols_v);
+                                                  cols_v);
   cp_async_commit();
 
   float dk[DW / 8][4], dv[DW / 8][4];
@@ -171,11 +171,11 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
       const std::int64_t q0 = qb.start;
       __syncthreads();  // the previous block's tiles are no longer read
       load_head_tile<BQ, D, C::kDkdvThreads, kPadded>(q_tile, q + q0 * p.q_strides.row,
-                                                 p.q_strides.row, qb.valid, p.aligned16,
-                                                 cols_qk);
+                                                      p.q_strides.row, qb.valid, p.aligned16,
+                                                      cols_qk);
       load_head_tile<BQ, D, C::kDkdvThreads, kPadded>(do_tile, go + q0 * p.grad_out_strides.row,
-                                                 p.grad_out_strides.row, qb.valid, p.aligned16,
-                                                 cols_v);
+                                                      p.grad_out_strides.row, qb.valid, p.aligned16,
+                                                      cols_v);
       cp_async_commit();
       const std::int64_t q_row = q0 + wq * 16 + (lane >> 2);
       // Sparse: padded query slots (past the valid prefix) are dead rows.
@@ -282,16 +282,15 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
   // Real columns of the q / k and the v / dO tiles (exact instances: the width, a constant).
   const int cols_qk = kPadded ? p.head_dim : D, cols_v = kPadded ? p.head_dim_v : D;
   load_head_tile<BQ, D, C::kDqThreads, kPadded>(q_tile, q, p.q_strides.row, rows, p.aligned16,
-                                           cols_qk);
+                                                cols_qk);
   load_head_tile<BQ, D, C::kDqThreads, kPadded>(do_tile, go, p.grad_out_strides.row, rows,
-                                           p.aligned16, cols_v);
+                                                p.aligned16, cols_v);
   if (step < steps) {
     const RowBlock kb = visit.block(step);
     load_head_tile<BK, D, C::kDqThreads, kPadded>(k_tile, k + kb.start * p.k_strides.row,
-                                             p.k_strides.row, kb.valid, p.aligned16, cols_qk);
+                                                  p.k_strides.row, kb.valid, p.aligned16, cols_qk);
     load_head_tile<BK, D, C::kDqThreads, kPadded>(v_tile, v + kb.start * p.v_strides.row,
-                                             p.v_strides.row, kb.valid, p.aligned16,
-                                             cols_v);
+                                                  p.v_strides.row, kb.valid, p.aligned16, cols_v);
   }
   cp_async_commit();
   const std::int64_t q_row = q0 + warp * 16 + (lane >> 2);
@@ -337,11 +336,10 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
     if (next_step < steps) {
       const RowBlock nb = visit.block(next_step);
       load_head_tile<BK, D, C::kDqThreads, kPadded>(k_tile, k + nb.start * p.k_strides.row,
-                                               p.k_strides.row, nb.valid, p.aligned16,
-                                               cols_qk);
+                                                    p.k_strides.row, nb.valid, p.aligned16,
+                                                    cols_qk);
       load_head_tile<BK, D, C::kDqThreads, kPadded>(v_tile, v + nb.start * p.v_strides.row,
-                                               p.v_strides.row, nb.valid, p.aligned16,
-                                               cols_v);
+                                                    p.v_strides.row, nb.valid, p.aligned16, cols_v);
       cp_async_commit();
       cp_async_wait_all();
       __syncthreads();

@@ -78,11 +78,11 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
   const int cols_qk = kPadded ? p.head_dim : D, cols_v = kPadded ? p.head_dim_v : D;
 
   load_head_tile<BQ, D, C::kThreads, kPadded>(q_tile, q, p.q_strides.row, rows, p.aligned16,
-                                         cols_qk);
+                                              cols_qk);
   if (step < steps) {
     const RowBlock kb = visit.block(step);
     load_head_tile<BK, D, C::kThreads, kPadded>(k_tile, k + kb.start * p.k_strides.row,
-                                           p.k_strides.row, kb.valid, p.aligned16, cols_qk);
+                                                p.k_strides.row, kb.valid, p.aligned16, cols_qk);
   }
   cp_async_commit();
   cp_async_wait_all();
@@ -105,11 +105,12 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
     const std::int64_t k0 = kb.start;
     // K(k0) is resident; fetch V(k0) behind the logits.
     load_head_tile<BK, D, C::kThreads, kPadded>(v_tile, v + k0 * p.v_strides.row, p.v_strides.row,
-                                           kb.valid, p.aligned16, cols_v);
+                                                kb.valid, p.aligned16, cols_v);
     cp_async_commit();
 
-    // S = Q K^T, the same mma chain per element as qk_logits (k-order 0 .. D/16 - 1 from a
-    // zero accumulator), so the backward's recomputed logits are bit-identical.
+    // S = Q K^T, the same mma chain per element as qk_logits (k-order 0 .. D/16 - 1, padded:
+    // up to the last step with real columns, from a zero accumulator), so the backward's
+    // recomputed logits are bit-identical.
     float s[MT][BK / 8][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -170,7 +171,7 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
     if (next_step < steps) {
       const RowBlock nb = visit.block(next_step);
       load_head_tile<BK, D, C::kThreads, kPadded>(k_tile, k + nb.start * p.k_strides.row,
-                                             p.k_strides.row, nb.valid, p.aligned16, cols_qk);
+                                                  p.k_strides.row, nb.valid, p.aligned16, cols_qk);
       cp_async_commit();
     }
 
@@ -221,7 +222,7 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
       std::uint16_t* dst = out + q_side_offset(p, p.out_strides, seq, i, h);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n)
-        if (!kPadded || n * 8 < p.head_dim_v)
+        if (!kPadded || n * 8 < cols_v)
           store_pair<T>(dst + n * 8 + (lane & 3) * 2, o[mt][n][2 * r] * inv,
                         o[mt][n][2 * r + 1] * inv, p.out_aligned4);
       if ((lane & 3) == 0)
