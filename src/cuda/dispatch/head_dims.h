@@ -5,12 +5,13 @@
 //                                 -> the padded instance of width W.
 // One width for both operands: the tiles of q, k, v, dO share one layout and the kernels one
 // mainloop, so padding Dv separately would multiply the instances by the pairs of widths for a
-// saving only where D and Dv differ by more than a width step. The widths: 64 and 128 exist
-// for the exact dims; 96 serves 72 / 80 / 96 (common in DiTs) at most 1.33x the work instead
-// of 128's 1.78x; 192 and 256 are the two sizes above 128 whose O accumulator (W / 2
-// registers per thread with one m-tile per warp) and tiles fit every sm_80 class GPU's forward.
-// 160 and 224 would save at most 17% of the work, on dims no model we target uses, for 18 more
-// instances. Keep in step with tools/codegen/gen_sm80_instances.py.
+// saving only where D and Dv differ by more than a width step (the kernels skip the mma steps
+// past each real dim at run time, so a padded width costs shared memory and registers, not
+// products). The widths: 64 and 128 exist for the exact dims; 96 serves 72 / 80 / 96 (common
+// in DiTs) with 25% smaller tiles than 128; 192 and 256 are the two sizes above 128 whose O
+// accumulator (W / 2 registers per thread with one m-tile per warp) and tiles fit every sm_80
+// class GPU's forward. 160 and 224 would only shrink tiles, on dims no model we target uses,
+// for 18 more instances. Keep in step with tools/codegen/gen_sm80_instances.py.
 #pragma once
 
 #include <cuda_bf16.h>
