@@ -21,8 +21,8 @@
 // max_seqlen; otherwise ValueError naming the argument. The CPU checks them on the host on
 // every call.
 //
-// CUDA tensors: bfloat16 / float16 with D = Dv = 64 or 128 (anything else throws
-// NotImplementedError); the work is queued on options.stream. The varlen forward checks the
+// CUDA tensors: bfloat16 / float16 with D and Dv multiples of 8 from 8 to 256 (anything
+// else throws NotImplementedError); the work is queued on options.stream. The varlen forward checks the
 // offsets on the device (one small kernel and a 4-byte read-back, so one host
 // synchronisation) and throws the CPU's ValueError, unless options.validate_index is false
 // or the stream is being captured into a CUDA graph (no host synchronisation there): the

@@ -40,7 +40,8 @@
 //   128- and 256-token tiles reduce dQ in an order that varies (faster; 64-token tiles and
 //   the portable kernels stay deterministic).
 //
-// CUDA backend (bfloat16 / float16, D = Dv in {64, 128}, tile volumes 64 / 128 / 256, GQA):
+// CUDA backend (bfloat16 / float16, D and Dv multiples of 8 up to 256, tile volumes 64 / 128 /
+// 256, GQA):
 // - Index validation. The CPU checks the index on the host. On CUDA, the forward and the
 //   transpose run a small device kernel over the index (counts in [0, MaxK], ids in range and
 //   strictly ascending, block sizes in [0, V]) and copy its 8-byte verdict to the host, which

@@ -64,8 +64,8 @@ void cuda_topk_tiles_from_scores(const TensorView& scores, std::int64_t topk,
                                  void* stream);
 
 // CUDA block-sparse attention (sm_80 and newer; src/cuda/dispatch/block_sparse.cu, the
-// transpose in src/cuda/vsa/k2q_transpose.cu): bfloat16 / float16, D = Dv in
-// {64, 128}; anything else throws NotImplementedError. Asynchronous on the given stream,
+// transpose in src/cuda/vsa/k2q_transpose.cu): bfloat16 / float16, D and Dv multiples of 8
+// up to 256; anything else throws NotImplementedError. Asynchronous on the given stream,
 // except the index check of the forward and of the transpose (vsa.h), which is skipped while
 // the stream is being captured or when validate_index is false.
 // With `combine` (vsa_fine_combine_forward) it returns whether the combination was written

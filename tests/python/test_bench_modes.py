@@ -55,6 +55,24 @@ def test_shapes_of_the_kernel_modes():
     assert all(common.parse_shape(s) for s in dense.SHAPES)
 
 
+def test_head_dims_of_the_dense_mode():
+    assert dense.parse_head_dims("96") == (96, 96)
+    assert dense.parse_head_dims("192:128") == (192, 128)
+    for bad in ("", "0", "96:", "a", "1:2:3", "-8"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            dense.parse_head_dims(bad)
+    base = [common.parse_shape("1,4096,8,128"), common.parse_shape("1,4096:77,8,64,causal")]
+    got = dense.with_head_dims(base, [(80, 80), (192, 128)])
+    assert got == [(1, 4096, 8, 80, False, 4096, 80), (1, 4096, 8, 192, False, 4096, 128),
+                   (1, 4096, 8, 80, True, 77, 80), (1, 4096, 8, 192, True, 77, 128)]
+    assert all(dense.parse_head_dims(d) for d in dense.HEAD_DIMS)
+    assert all(common.parse_shape(s) for s in dense.HEAD_DIM_SHAPES)
+    args = dense.build_parser().parse_args(["--head-dims", "--fwd-vs-cudnn"])
+    assert args.head_dims == [] and args.fwd_vs_cudnn
+    args = dense.build_parser().parse_args(["--head-dims", "72", "256:128"])
+    assert args.head_dims == [(72, 72), (256, 128)]
+
+
 def test_a_mode_result_carries_the_run_metadata(tmp_path):
     doc = common.result_doc("rope", ["--out", "x.json"], torch.device("cpu"), rows=[{"ms": 1.0}])
     assert doc["mode"] == "rope" and doc["schema"] == "vidattn-bench-rope/1"

@@ -395,9 +395,9 @@ def test_bad_index_and_unsupported_inputs_raise_clear_errors():
         bsa(q, q, q, idx, cnt)  # index on the CPU, tensors on the GPU
     with pytest.raises(NotImplementedError, match="bfloat16 and float16"):
         bsa(q.float(), q.float(), q.float(), idx.to(DEV), cnt.to(DEV))
-    q96 = torch.zeros(1, 128, 2, 96, dtype=torch.bfloat16, device=DEV)
+    q100 = torch.zeros(1, 128, 2, 100, dtype=torch.bfloat16, device=DEV)  # not a multiple of 8
     with pytest.raises(NotImplementedError, match="head dims"):
-        bsa(q96, q96, q96, idx.to(DEV), cnt.to(DEV))
+        bsa(q100, q100, q100, idx.to(DEV), cnt.to(DEV))
     # The good index still works after the errors (nothing left broken on the stream).
     out = bsa(q, q, q, idx.to(DEV), cnt.to(DEV))
     torch.cuda.synchronize()

@@ -28,8 +28,9 @@ decltype(auto) dispatch_float_dtype(DType dtype, Fn&& fn) {
 template <class T>
 using AccumulatorOf = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
-// fn(T{}, integral_constant<int, D>{}) for the attention kernels' (16-bit dtype, head dim)
-// pairs: bfloat16 / float16 and D = 64 / 128.
+// fn(T{}, integral_constant<int, D>{}) for the sm_90a attention kernels' (16-bit dtype, head
+// dim) pairs: bfloat16 / float16 and D = Dv = 64 / 128 (the caller checked the dims; the sm_80
+// kernels take cuda_dispatch::dispatch_sm80_head_dims).
 template <class Fn>
 void dispatch_dtype_head_dim(DType dtype, std::int64_t head_dim, Fn&& fn) {
   const bool bf16 = dtype == DType::kBFloat16;

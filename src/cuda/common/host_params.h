@@ -57,6 +57,8 @@ inline AttentionParams layout_params(const TensorView& q, const TensorView& k,
   kp.seqlen_k = seqlen_k;
   kp.rows_q = varlen ? q.shape[0] : batch * seqlen_q;
   kp.rows_k = varlen ? k.shape[0] : batch * seqlen_k;
+  kp.head_dim = static_cast<int>(q.shape[q.ndim - 1]);
+  kp.head_dim_v = static_cast<int>(v.shape[v.ndim - 1]);
   kp.scale = static_cast<float>(scale);
   kp.aligned16 = rows_aligned(q, 16) && rows_aligned(k, 16) && rows_aligned(v, 16);
   return kp;

@@ -68,10 +68,19 @@ __device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
 
 // Tiles are [rows][WIDTH] 16-bit elements in 16-byte chunks; chunk c of row r is stored at
 // chunk c ^ (r % 8), so that the 8 rows an ldmatrix reads (and the 16-byte cp.async
-// writes of 8 consecutive rows) fall in distinct banks.
+// writes of 8 consecutive rows) fall in distinct banks. That permutes chunks within groups
+// of 8, so it needs WIDTH % 64 == 0. An odd multiple of 32 (WIDTH = 96: rows of 12 chunks)
+// permutes within groups of 4 instead, by (r / 2) % 4: consecutive rows then start 4 chunks
+// apart modulo the 8 chunks of a 128-byte bank line, so row parity supplies the third bit
+// and 8 consecutive rows still hit 8 distinct bank slots.
 template <int WIDTH>
 __device__ __forceinline__ int swizzle(int row, int chunk) {
-  return row * WIDTH + ((chunk ^ (row & 7)) << 3);
+  static_assert(WIDTH % 32 == 0, "tile rows of a multiple of 32 elements");
+  if constexpr (WIDTH % 64 == 0) {
+    return row * WIDTH + ((chunk ^ (row & 7)) << 3);
+  } else {
+    return row * WIDTH + (((chunk & ~3) | ((chunk ^ (row >> 1)) & 3)) << 3);
+  }
 }
 
 __device__ __forceinline__ void ldmatrix_x4(std::uint32_t (&r)[4], std::uint32_t addr) {

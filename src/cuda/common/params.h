@@ -80,6 +80,12 @@ struct AttentionParams {
   int tile_volume = 64;    // 64, 128 or 256: 1, 2 or 4 blocks of 64 keys / queries
   int tile_shift = 0;      // log2(tile_volume / 64)
   int q_tiles = 0, kv_tiles = 0, max_k = 0;
+
+  // Head dims of q / k and of v / out. Only the sm_80 kernels of a padded instance (a tile
+  // width above them) read them; every other instance has them equal to its width. Last, so
+  // that the fields above keep their offsets in the kernels that never read these.
+  int head_dim = 0;
+  int head_dim_v = 0;
 };
 
 }  // namespace vidattn::cuda_common

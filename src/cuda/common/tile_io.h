@@ -78,6 +78,44 @@ __device__ __forceinline__ void load_tile(std::uint16_t* tile, const std::uint16
   }
 }
 
+// load_tile of a tile whose rows hold only valid_cols (a multiple of 8, at most WIDTH) real
+// columns: the 16-byte chunks past them are zero-filled too and never read from global memory.
+template <int ROWS, int WIDTH, int THREADS>
+__device__ __forceinline__ void load_tile_cols(std::uint16_t* tile, const std::uint16_t* src,
+                                               std::int64_t row_stride, std::int64_t valid_rows,
+                                               int valid_cols, bool aligned16) {
+  constexpr int kChunks = WIDTH / 8;
+  if (aligned16) {
+#pragma unroll
+    for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += THREADS) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      const bool ok = r < valid_rows && c * 8 < valid_cols;
+      const std::uint16_t* g = src + (ok ? r * row_stride + c * 8 : 0);
+      cp_async_16(tile + swizzle<WIDTH>(r, c), g, ok ? 16 : 0);
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += THREADS) {
+      const int r = idx / kChunks, c = idx % kChunks;
+      std::uint16_t* d = tile + swizzle<WIDTH>(r, c);
+      const bool ok = r < valid_rows && c * 8 < valid_cols;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) d[e] = ok ? src[r * row_stride + c * 8 + e] : std::uint16_t(0);
+    }
+  }
+}
+
+// A head-dim tile: load_tile_cols when the instance is padded (kPadded), else load_tile
+// (valid_cols unused: the row holds WIDTH real columns).
+template <int ROWS, int WIDTH, int THREADS, bool kPadded>
+__device__ __forceinline__ void load_head_tile(std::uint16_t* tile, const std::uint16_t* src,
+                                               std::int64_t row_stride, std::int64_t valid_rows,
+                                               bool aligned16, int valid_cols) {
+  if constexpr (kPadded)
+    load_tile_cols<ROWS, WIDTH, THREADS>(tile, src, row_stride, valid_rows, valid_cols, aligned16);
+  else
+    load_tile<ROWS, WIDTH, THREADS>(tile, src, row_stride, valid_rows, aligned16);
+}
+
 // Stores a pair of adjacent columns (x at col, y at col + 1) of one output row.
 template <class T>
 __device__ __forceinline__ void store_pair(std::uint16_t* dst, float x, float y, bool aligned4) {

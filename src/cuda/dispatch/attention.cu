@@ -25,6 +25,7 @@
 #include "cuda/common/host_params.h"
 #include "cuda/common/params.h"
 #include "cuda/common/workspace.h"
+#include "head_dims.h"
 #include "sm90_support.h"
 #include "supported.h"
 #include "varlen_check.h"
@@ -75,6 +76,8 @@ AttentionParams base_params(const AttentionProblem& p, const TensorView& q, cons
 bool sm90_dense_fits(const AttentionProblem& p, const AttentionParams& kp, const TensorView& q,
                      const TensorView& k, const TensorView& v, const TensorView& out) {
 #ifdef VIDATTN_WITH_CUTLASS
+  // Other head dims run the portable kernels on every GPU until sm_90a instances exist.
+  if (!cuda_dispatch::sm90_head_dims_supported(p.head_dim, p.head_dim_v)) return false;
   if (!cuda_dispatch::sm90_path_enabled(p.device.index)) return false;
   // Empty sides have nothing to describe to TMA; the portable path handles them.
   if (kp.rows_q <= 0 || kp.rows_k <= 0 || kp.seqlen_q <= 0 || kp.seqlen_k <= 0) return false;
@@ -175,9 +178,17 @@ MaskedCopies zero_masked_inputs(AttentionParams& kp, const AttentionProblem& p, 
   return c;
 }
 
+// The sm_90a instances: D = Dv = 64 or 128 (sm90_dense_fits checked).
 template <class Launch>
 void dispatch(const AttentionProblem& p, Launch&& launch) {
   cuda_common::dispatch_dtype_head_dim(p.dtype, p.head_dim, std::forward<Launch>(launch));
+}
+
+// The sm_80 instance of the problem's head dims (cuda_dispatch/head_dims.h).
+template <class Launch>
+void dispatch_sm80(const AttentionProblem& p, Launch&& launch) {
+  cuda_dispatch::dispatch_sm80_head_dims(p.dtype, p.head_dim, p.head_dim_v,
+                                         std::forward<Launch>(launch));
 }
 
 }  // namespace
@@ -219,8 +230,8 @@ void cuda_attention_forward(const AttentionProblem& p, const TensorView& q, cons
   }
 #endif
   const MaskedCopies copies = zero_masked_inputs(kp, p, false, stream);
-  dispatch(p, [&](auto t, auto d) {
-    cuda_sm80::launch_forward<decltype(t), decltype(d)::value>(kp, stream);
+  dispatch_sm80(p, [&](auto t, auto d, auto padded) {
+    cuda_sm80::launch_forward<decltype(t), decltype(d)::value, decltype(padded)::value>(kp, stream);
   });
 }
 
@@ -262,8 +273,9 @@ void cuda_attention_backward(const AttentionProblem& p, const TensorView& q,
       static_cast<std::size_t>(kp.rows_q * kp.heads_q) * sizeof(float), stream,
       "the backward's row sums");
   kp.delta = delta.as<float>();
-  dispatch(p, [&](auto t, auto d) {
-    cuda_sm80::launch_backward<decltype(t), decltype(d)::value>(kp, stream);
+  dispatch_sm80(p, [&](auto t, auto d, auto padded) {
+    cuda_sm80::launch_backward<decltype(t), decltype(d)::value, decltype(padded)::value>(kp,
+                                                                                        stream);
   });
 }
 

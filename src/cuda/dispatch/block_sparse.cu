@@ -25,6 +25,7 @@
 #include "cuda/common/params.h"
 #include "cuda/common/workspace.h"
 #include "cuda/vsa/index_check.h"
+#include "head_dims.h"
 #include "sm90_support.h"
 #include "supported.h"
 
@@ -91,7 +92,9 @@ const TensorView* optional_view(const std::optional<TensorView>& t) {
 // this build, which the launchers answer.
 bool sm90_sparse_fits(const BlockSparseProblem& p, const TensorView& q2k_index,
                       const BlockSparseOptions& o, std::initializer_list<const TensorView*> tiles) {
-  if (p.head_dim != p.head_dim_v || p.batch * p.seqlen_q > INT32_MAX ||
+  // Other head dims run the portable kernels on every GPU until sm_90a instances exist.
+  if (!cuda_dispatch::sm90_head_dims_supported(p.head_dim, p.head_dim_v) ||
+      p.batch * p.seqlen_q > INT32_MAX ||
       p.batch * p.seqlen_k > INT32_MAX)
     return false;
   if (p.max_k > 1 && q2k_index.stride[3] != 1) return false;
@@ -201,12 +204,19 @@ bool cuda_block_sparse_forward(const BlockSparseProblem& p, const TensorView& q,
   if (try_sm90_forward(p, q, k, v, q2k_index, q2k_count, out, lse, o, stream)) return false;
   AttentionParams kp = sparse_params(p, q, k, v, q2k_index, q2k_count, out, lse, o);
   kp.out_aligned4 = rows_aligned(out, 4);
-  dispatch_dtype_head_dim(p.dtype, p.head_dim, [&](auto t, auto d) {
+  cuda_dispatch::dispatch_sm80_head_dims(p.dtype, p.head_dim, p.head_dim_v,
+                                         [&](auto t, auto d, auto padded) {
     using T = decltype(t);
     constexpr int D = decltype(d)::value;
-    // A CTA's query block must stay inside one query tile.
-    if (p.tile_volume == 64) cuda_sm80::launch_block_sparse_forward<T, D, 64>(kp, stream);
-    else cuda_sm80::launch_block_sparse_forward<T, D, 128>(kp, stream);
+    constexpr bool kPadded = decltype(padded)::value;
+    // A CTA's query block must stay inside one query tile. Widths above 192 run 64-row blocks
+    // for every tile volume (sm80/fwd_kernel.h, FwdConfig), in the 64-row instance.
+    if constexpr (D > 192) {
+      cuda_sm80::launch_block_sparse_forward<T, D, 64, kPadded>(kp, stream);
+    } else {
+      if (p.tile_volume == 64) cuda_sm80::launch_block_sparse_forward<T, D, 64, kPadded>(kp, stream);
+      else cuda_sm80::launch_block_sparse_forward<T, D, 128, kPadded>(kp, stream);
+    }
   });
   return false;
 }
@@ -255,8 +265,10 @@ void cuda_block_sparse_backward(const BlockSparseProblem& p, const TensorView& q
       static_cast<std::size_t>(kp.rows_q * kp.heads_q) * sizeof(float), stream,
       "the backward's row sums");
   kp.delta = delta.as<float>();
-  dispatch_dtype_head_dim(p.dtype, p.head_dim, [&](auto t, auto d) {
-    cuda_sm80::launch_block_sparse_backward<decltype(t), decltype(d)::value>(kp, stream);
+  cuda_dispatch::dispatch_sm80_head_dims(p.dtype, p.head_dim, p.head_dim_v,
+                                         [&](auto t, auto d, auto padded) {
+    cuda_sm80::launch_block_sparse_backward<decltype(t), decltype(d)::value,
+                                            decltype(padded)::value>(kp, stream);
   });
 }
 

@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "core/check.h"
+#include "head_dims.h"
 #include "vidattn/error.h"
 #include "vidattn/tensor_view.h"
 
@@ -16,10 +17,11 @@ inline void check_attention_kernels_support(const char* fn, DType dtype, std::in
     throw NotImplementedError(detail::concat(
         fn, ": the CUDA backend supports bfloat16 and float16 inputs, got ", dtype_name(dtype),
         "; cast to bfloat16 / float16 or use CPU tensors"));
-  if ((head_dim != 64 && head_dim != 128) || head_dim_v != head_dim)
+  if (!sm80_head_dims_supported(head_dim, head_dim_v))
     throw NotImplementedError(detail::concat(
-        fn, ": the CUDA backend supports head dims D = Dv = 64 or 128, got D = ", head_dim,
-        ", Dv = ", head_dim_v, "; pad the head dim or use CPU tensors"));
+        fn, ": the CUDA backend supports head dims D (q, k) and Dv (v) that are multiples of 8 "
+        "from 8 to ", kMaxHeadDim, ", got D = ", head_dim, ", Dv = ", head_dim_v,
+        "; pad the head dim to a multiple of 8 or use CPU tensors"));
 }
 
 }  // namespace vidattn::cuda_dispatch

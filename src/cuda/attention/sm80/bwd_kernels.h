@@ -7,6 +7,10 @@
 // (softmax_mask.h says why they are bit-identical). kSparse = false: dense (the blocks of a
 // range); kSparse = true: block-sparse, dK/dV over the key tile's k2q list and dQ over the
 // query tile's q2k list, in list order (key_visit.h), so reruns are bit-identical.
+// D is the instance's head-dim width; kPadded as in fwd_kernel.h: q, k, dQ, dK have
+// p.head_dim columns and v, out, dO, dV p.head_dim_v, both at most D; the loads zero-fill the
+// rest of each tile row (so dP = dO V^T and the logits match the forward's) and the stores
+// skip it.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +25,9 @@ namespace vidattn::cuda_sm80 {
 
 using namespace cuda_common;  // params, tile I/O and warp math shared with the sm_90a kernels
 
+// Shared memory: 512 D + 16 KiB bytes (dK / dV) and 512 D (dQ); above D = 128 that exceeds
+// the 99 KiB of an sm_86 / sm_89 block (A100 and H100 class GPUs fit D = 256), which the
+// launcher reports as NotImplementedError.
 template <int D>
 struct BwdConfig {
   static constexpr int kBlockQ = 64;
@@ -36,7 +43,7 @@ struct BwdConfig {
   static constexpr int kDqSmemBytes = (2 * kBlockQ * D + 2 * kBlockK * D) * 2;
 };
 
-template <class T, int D>
+template <class T, int D, bool kPadded>
 __global__ void __launch_bounds__(256) attention_bwd_delta_kernel(const AttentionParams p) {
   const std::int64_t task = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
   const int lane = threadIdx.x & 31;
@@ -51,8 +58,9 @@ __global__ void __launch_bounds__(256) attention_bwd_delta_kernel(const Attentio
   const auto* o = static_cast<const std::uint16_t*>(p.out) + offset(p.out_strides);
   const auto* g = static_cast<const std::uint16_t*>(p.grad_out) + offset(p.grad_out_strides);
   float sum = 0.f;
+  const int width = kPadded ? p.head_dim_v : D;
 #pragma unroll
-  for (int d = lane; d < D; d += 32) sum += Mma<T>::to_float(o[d]) * Mma<T>::to_float(g[d]);
+  for (int d = lane; d < width; d += 32) sum += Mma<T>::to_float(o[d]) * Mma<T>::to_float(g[d]);
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, m);
   if (lane == 0) p.delta[task] = sum;
@@ -95,7 +103,7 @@ __device__ __forceinline__ void probs_and_dscores(float (&s)[KEYS / 8][4], float
     }
 }
 
-template <class T, int D, bool kSparse>
+template <class T, int D, bool kSparse, bool kPadded>
 __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
     attention_bwd_dkdv_kernel(const AttentionParams p) {
   using C = BwdConfig<D>;
@@ -128,8 +136,12 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
 
   const auto* k = static_cast<const std::uint16_t*>(p.k) + k_side_offset(p, p.k_strides, seq, k0, hk);
   const auto* v = static_cast<const std::uint16_t*>(p.v) + k_side_offset(p, p.v_strides, seq, k0, hk);
-  load_tile<BK, D, C::kDkdvThreads>(k_tile, k, p.k_strides.row, k_valid, p.aligned16);
-  load_tile<BK, D, C::kDkdvThreads>(v_tile, v, p.v_strides.row, k_valid, p.aligned16);
+  // Real columns of the q / k and the v / dO tiles (exact instances: the width, a constant).
+  const int cols_qk = kPadded ? p.head_dim : D, cols_v = kPadded ? p.head_dim_v : D;
+  load_head_tile<BK, D, C::kDkdvThreads, kPadded>(k_tile, k, p.k_strides.row, k_valid, p.aligned16,
+                                                  cols_qk);
+  load_head_tile<BK, D, C::kDkdvThreads, kPadded>(v_tile, v, p.v_strides.row, k_valid, p.aligned16,
+                                                  cols_v);
   cp_async_commit();
 
   float dk[DW / 8][4], dv[DW / 8][4];
@@ -158,10 +170,12 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
       const RowBlock qb = visit.block(step);
       const std::int64_t q0 = qb.start;
       __syncthreads();  // the previous block's tiles are no longer read
-      load_tile<BQ, D, C::kDkdvThreads>(q_tile, q + q0 * p.q_strides.row, p.q_strides.row,
-                                        qb.valid, p.aligned16);
-      load_tile<BQ, D, C::kDkdvThreads>(do_tile, go + q0 * p.grad_out_strides.row,
-                                        p.grad_out_strides.row, qb.valid, p.aligned16);
+      load_head_tile<BQ, D, C::kDkdvThreads, kPadded>(q_tile, q + q0 * p.q_strides.row,
+                                                      p.q_strides.row, qb.valid, p.aligned16,
+                                                      cols_qk);
+      load_head_tile<BQ, D, C::kDkdvThreads, kPadded>(do_tile, go + q0 * p.grad_out_strides.row,
+                                                      p.grad_out_strides.row, qb.valid, p.aligned16,
+                                                      cols_v);
       cp_async_commit();
       const std::int64_t q_row = q0 + wq * 16 + (lane >> 2);
       // Sparse: padded query slots (past the valid prefix) are dead rows.
@@ -171,10 +185,10 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
       __syncthreads();
 
       float s[KW / 8][4], dp[KW / 8][4];
-      qk_logits<T, D, KW>(s, q_tile, wq * 16, k_tile, wk * KW);
+      qk_logits<T, D, KW, kPadded>(s, q_tile, wq * 16, k_tile, wk * KW, cols_qk);
       const bool needs_mask = kSparse ? k_valid < BK : mask.block_needs_mask(q0, k0, BK);
       scale_and_mask<KW>(s, p.scale, mask, needs_mask, q_row, k0 + wk * KW);
-      qk_logits<T, D, KW>(dp, do_tile, wq * 16, v_tile, wk * KW);
+      qk_logits<T, D, KW, kPadded>(dp, do_tile, wq * 16, v_tile, wk * KW, cols_v);
       probs_and_dscores<KW>(s, dp, rs);
 #pragma unroll
       for (int n = 0; n < KW / 8; ++n)
@@ -198,13 +212,18 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
         for (int np = 0; np < DW / 16; ++np) {
           const int b_at = swizzle<D>(kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                       wk * (DW / 8) + np * 2 + (lane >> 4));
+          const int col0 = wk * DW + np * 16;  // padded: columns past the real dims stay 0
           std::uint32_t bf[4];
-          ldmatrix_x4_trans(bf, smem_addr(do_tile + b_at));
-          Mma<T>::run(dv[2 * np], ap, bf[0], bf[1]);
-          Mma<T>::run(dv[2 * np + 1], ap, bf[2], bf[3]);
-          ldmatrix_x4_trans(bf, smem_addr(q_tile + b_at));
-          Mma<T>::run(dk[2 * np], ads, bf[0], bf[1]);
-          Mma<T>::run(dk[2 * np + 1], ads, bf[2], bf[3]);
+          if (!kPadded || col0 < cols_v) {
+            ldmatrix_x4_trans(bf, smem_addr(do_tile + b_at));
+            Mma<T>::run(dv[2 * np], ap, bf[0], bf[1]);
+            Mma<T>::run(dv[2 * np + 1], ap, bf[2], bf[3]);
+          }
+          if (!kPadded || col0 < cols_qk) {
+            ldmatrix_x4_trans(bf, smem_addr(q_tile + b_at));
+            Mma<T>::run(dk[2 * np], ads, bf[0], bf[1]);
+            Mma<T>::run(dk[2 * np + 1], ads, bf[2], bf[3]);
+          }
         }
       }
     }
@@ -222,13 +241,16 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDkdvThreads)
 #pragma unroll
     for (int n = 0; n < DW / 8; ++n) {
       const int col = n * 8 + (lane & 3) * 2;
-      store_pair<T>(dkr + col, dk[n][2 * r] * p.scale, dk[n][2 * r + 1] * p.scale, p.out_aligned4);
-      store_pair<T>(dvr + col, dv[n][2 * r], dv[n][2 * r + 1], p.out_aligned4);
+      if (!kPadded || wk * DW + n * 8 < p.head_dim)
+        store_pair<T>(dkr + col, dk[n][2 * r] * p.scale, dk[n][2 * r + 1] * p.scale,
+                      p.out_aligned4);
+      if (!kPadded || wk * DW + n * 8 < p.head_dim_v)
+        store_pair<T>(dvr + col, dv[n][2 * r], dv[n][2 * r + 1], p.out_aligned4);
     }
   }
 }
 
-template <class T, int D, bool kSparse>
+template <class T, int D, bool kSparse, bool kPadded>
 __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
     attention_bwd_dq_kernel(const AttentionParams p) {
   using C = BwdConfig<D>;
@@ -257,14 +279,18 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
                    q_side_offset(p, p.grad_out_strides, seq, q0, h);
   const auto* k = static_cast<const std::uint16_t*>(p.k) + k_side_offset(p, p.k_strides, seq, 0, hk);
   const auto* v = static_cast<const std::uint16_t*>(p.v) + k_side_offset(p, p.v_strides, seq, 0, hk);
-  load_tile<BQ, D, C::kDqThreads>(q_tile, q, p.q_strides.row, rows, p.aligned16);
-  load_tile<BQ, D, C::kDqThreads>(do_tile, go, p.grad_out_strides.row, rows, p.aligned16);
+  // Real columns of the q / k and the v / dO tiles (exact instances: the width, a constant).
+  const int cols_qk = kPadded ? p.head_dim : D, cols_v = kPadded ? p.head_dim_v : D;
+  load_head_tile<BQ, D, C::kDqThreads, kPadded>(q_tile, q, p.q_strides.row, rows, p.aligned16,
+                                                cols_qk);
+  load_head_tile<BQ, D, C::kDqThreads, kPadded>(do_tile, go, p.grad_out_strides.row, rows,
+                                                p.aligned16, cols_v);
   if (step < steps) {
     const RowBlock kb = visit.block(step);
-    load_tile<BK, D, C::kDqThreads>(k_tile, k + kb.start * p.k_strides.row, p.k_strides.row,
-                                    kb.valid, p.aligned16);
-    load_tile<BK, D, C::kDqThreads>(v_tile, v + kb.start * p.v_strides.row, p.v_strides.row,
-                                    kb.valid, p.aligned16);
+    load_head_tile<BK, D, C::kDqThreads, kPadded>(k_tile, k + kb.start * p.k_strides.row,
+                                                  p.k_strides.row, kb.valid, p.aligned16, cols_qk);
+    load_head_tile<BK, D, C::kDqThreads, kPadded>(v_tile, v + kb.start * p.v_strides.row,
+                                                  p.v_strides.row, kb.valid, p.aligned16, cols_v);
   }
   cp_async_commit();
   const std::int64_t q_row = q0 + warp * 16 + (lane >> 2);
@@ -281,11 +307,11 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
     const RowBlock kb = visit.block(step);
     const std::int64_t k0 = kb.start;
     float s[BK / 8][4], dp[BK / 8][4];
-    qk_logits<T, D, BK>(s, q_tile, warp * 16, k_tile, 0);
+    qk_logits<T, D, BK, kPadded>(s, q_tile, warp * 16, k_tile, 0, cols_qk);
     const MaskInfo block_mask = kSparse ? key_limit_mask(seq.len_q, k0 + kb.valid) : mask;
     const bool needs_mask = kSparse ? kb.valid < BK : mask.block_needs_mask(q0, k0, BK);
     scale_and_mask<BK>(s, p.scale, block_mask, needs_mask, q_row, k0);
-    qk_logits<T, D, BK>(dp, do_tile, warp * 16, v_tile, 0);
+    qk_logits<T, D, BK, kPadded>(dp, do_tile, warp * 16, v_tile, 0, cols_v);
     probs_and_dscores<BK>(s, dp, rs);
     // dQ += dS K (the scale is applied once at the end).
 #pragma unroll
@@ -297,6 +323,7 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
       a[3] = Mma<T>::pack(dp[2 * kt + 1][2], dp[2 * kt + 1][3]);
 #pragma unroll
       for (int np = 0; np < D / 16; ++np) {
+        if (kPadded && np * 16 >= cols_qk) break;  // padded: dQ columns past D stay 0
         std::uint32_t bk[4];
         ldmatrix_x4_trans(bk, smem_addr(k_tile + swizzle<D>(kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                             np * 2 + (lane >> 4))));
@@ -308,10 +335,11 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
     const int next_step = visit.next(step + 1);
     if (next_step < steps) {
       const RowBlock nb = visit.block(next_step);
-      load_tile<BK, D, C::kDqThreads>(k_tile, k + nb.start * p.k_strides.row, p.k_strides.row,
-                                      nb.valid, p.aligned16);
-      load_tile<BK, D, C::kDqThreads>(v_tile, v + nb.start * p.v_strides.row, p.v_strides.row,
-                                      nb.valid, p.aligned16);
+      load_head_tile<BK, D, C::kDqThreads, kPadded>(k_tile, k + nb.start * p.k_strides.row,
+                                                    p.k_strides.row, nb.valid, p.aligned16,
+                                                    cols_qk);
+      load_head_tile<BK, D, C::kDqThreads, kPadded>(v_tile, v + nb.start * p.v_strides.row,
+                                                    p.v_strides.row, nb.valid, p.aligned16, cols_v);
       cp_async_commit();
       cp_async_wait_all();
       __syncthreads();
@@ -327,8 +355,9 @@ __global__ void __launch_bounds__(BwdConfig<D>::kDqThreads)
     std::uint16_t* dst = dq_out + q_side_offset(p, p.dq_strides, seq, i, h);
 #pragma unroll
     for (int n = 0; n < D / 8; ++n)
-      store_pair<T>(dst + n * 8 + (lane & 3) * 2, dq[n][2 * r] * p.scale, dq[n][2 * r + 1] * p.scale,
-                    p.out_aligned4);
+      if (!kPadded || n * 8 < p.head_dim)
+        store_pair<T>(dst + n * 8 + (lane & 3) * 2, dq[n][2 * r] * p.scale,
+                      dq[n][2 * r + 1] * p.scale, p.out_aligned4);
   }
 }
 

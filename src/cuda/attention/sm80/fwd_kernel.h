@@ -3,6 +3,10 @@
 // cp.async (the V load overlaps Q K^T, the next K load overlaps P V). One mainloop for dense
 // attention (kSparse = false: the key blocks of a range) and block-sparse attention
 // (kSparse = true: the key tiles of the query tile's q2k list, key_visit.h).
+// D is the instance's head-dim width (the shared tiles' row length). kPadded: the real head
+// dims p.head_dim (q, k) and p.head_dim_v (v, out) may be smaller multiples of 8; the loads
+// zero-fill the columns past them (zeros add nothing to Q K^T, and zero V columns give zero
+// output columns) and the stores skip them. Without kPadded the predicates do not exist.
 #pragma once
 
 #include <cstdint>
@@ -24,9 +28,16 @@ struct FwdConfig {
   // query rows (4 warps; at <= 255 registers two CTAs share an SM) by default; 64 (2 warps)
   // for block-sparse tiles of 64 tokens, whose query block must not span two tiles (4 warps
   // of one m-tile measured 18% slower there on an H200: 194 against 236 TFLOP/s).
+  // Wider heads: the O accumulator takes D / 2 registers per m-tile, so above D = 128 two
+  // m-tiles (D + 64 registers for O and S) no longer fit in 255 and warps own one m-tile.
+  // Above D = 192 the query block is 64 rows whatever BLOCK_Q asks (64 divides every tile
+  // volume, so a sparse CTA still stays in one tile): 128 rows would need 128 KiB of shared
+  // memory, more than the 99 KiB an sm_86 / sm_89 block may have; 64 rows take 96 KiB.
   static_assert(BLOCK_Q == 64 || BLOCK_Q == 128, "query block of 64 or 128 rows");
-  static constexpr int kMTiles = 2;
-  static constexpr int kWarps = BLOCK_Q / (16 * kMTiles);
+  static_assert(D % 32 == 0 && D <= 256, "head-dim width: a multiple of 32 up to 256");
+  static constexpr int kMTiles = D <= 128 ? 2 : 1;
+  static constexpr int kRequestedQ = D <= 192 ? BLOCK_Q : 64;
+  static constexpr int kWarps = kRequestedQ / (16 * kMTiles);
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kMinBlocks = 256 / kThreads;  // CTAs per SM the registers must allow
   static constexpr int kBlockQ = 16 * kMTiles * kWarps;
@@ -34,7 +45,7 @@ struct FwdConfig {
   static constexpr int kSmemBytes = (kBlockQ + 2 * kBlockK) * D * 2;
 };
 
-template <class T, int D, int BLOCK_Q, bool kSparse>
+template <class T, int D, int BLOCK_Q, bool kSparse, bool kPadded>
 __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, BLOCK_Q>::kMinBlocks)
     attention_fwd_kernel(const AttentionParams p) {
   using C = FwdConfig<D, BLOCK_Q>;
@@ -63,12 +74,15 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
   const auto* q = static_cast<const std::uint16_t*>(p.q) + q_side_offset(p, p.q_strides, seq, q0, h);
   const auto* k = static_cast<const std::uint16_t*>(p.k) + k_side_offset(p, p.k_strides, seq, 0, hk);
   const auto* v = static_cast<const std::uint16_t*>(p.v) + k_side_offset(p, p.v_strides, seq, 0, hk);
+  // Real columns of the q / k and the v tiles (exact instances: the width, a constant).
+  const int cols_qk = kPadded ? p.head_dim : D, cols_v = kPadded ? p.head_dim_v : D;
 
-  load_tile<BQ, D, C::kThreads>(q_tile, q, p.q_strides.row, rows, p.aligned16);
+  load_head_tile<BQ, D, C::kThreads, kPadded>(q_tile, q, p.q_strides.row, rows, p.aligned16,
+                                              cols_qk);
   if (step < steps) {
     const RowBlock kb = visit.block(step);
-    load_tile<BK, D, C::kThreads>(k_tile, k + kb.start * p.k_strides.row, p.k_strides.row,
-                                  kb.valid, p.aligned16);
+    load_head_tile<BK, D, C::kThreads, kPadded>(k_tile, k + kb.start * p.k_strides.row,
+                                                p.k_strides.row, kb.valid, p.aligned16, cols_qk);
   }
   cp_async_commit();
   cp_async_wait_all();
@@ -90,12 +104,13 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
     const RowBlock kb = visit.block(step);
     const std::int64_t k0 = kb.start;
     // K(k0) is resident; fetch V(k0) behind the logits.
-    load_tile<BK, D, C::kThreads>(v_tile, v + k0 * p.v_strides.row, p.v_strides.row, kb.valid,
-                                  p.aligned16);
+    load_head_tile<BK, D, C::kThreads, kPadded>(v_tile, v + k0 * p.v_strides.row, p.v_strides.row,
+                                                kb.valid, p.aligned16, cols_v);
     cp_async_commit();
 
-    // S = Q K^T, the same mma chain per element as qk_logits (k-order 0 .. D/16 - 1 from a
-    // zero accumulator), so the backward's recomputed logits are bit-identical.
+    // S = Q K^T, the same mma chain per element as qk_logits (k-order 0 .. D/16 - 1, padded:
+    // up to the last step with real columns, from a zero accumulator), so the backward's
+    // recomputed logits are bit-identical.
     float s[MT][BK / 8][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -103,6 +118,7 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
       for (int n = 0; n < BK / 8; ++n) s[mt][n][0] = s[mt][n][1] = s[mt][n][2] = s[mt][n][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
+      if (kPadded && kk * 16 >= cols_qk) break;  // padded: the rest adds exact zeros
       std::uint32_t a[MT][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
@@ -154,8 +170,8 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
     const int next_step = visit.next(step + 1);
     if (next_step < steps) {
       const RowBlock nb = visit.block(next_step);
-      load_tile<BK, D, C::kThreads>(k_tile, k + nb.start * p.k_strides.row, p.k_strides.row,
-                                    nb.valid, p.aligned16);
+      load_head_tile<BK, D, C::kThreads, kPadded>(k_tile, k + nb.start * p.k_strides.row,
+                                                  p.k_strides.row, nb.valid, p.aligned16, cols_qk);
       cp_async_commit();
     }
 
@@ -172,6 +188,7 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
       }
 #pragma unroll
       for (int np = 0; np < D / 16; ++np) {
+        if (kPadded && np * 16 >= cols_v) break;  // padded: O columns past Dv stay 0
         std::uint32_t bv[4];
         ldmatrix_x4_trans(bv, smem_addr(v_tile + swizzle<D>(kt * 16 + (lane & 7) + ((lane >> 3) & 1) * 8,
                                                             np * 2 + (lane >> 4))));
@@ -207,8 +224,9 @@ __global__ void __launch_bounds__(FwdConfig<D, BLOCK_Q>::kThreads, FwdConfig<D, 
       std::uint16_t* dst = out + q_side_offset(p, p.out_strides, seq, i, h);
 #pragma unroll
       for (int n = 0; n < D / 8; ++n)
-        store_pair<T>(dst + n * 8 + (lane & 3) * 2, o[mt][n][2 * r] * inv, o[mt][n][2 * r + 1] * inv,
-                      p.out_aligned4);
+        if (!kPadded || n * 8 < cols_v)
+          store_pair<T>(dst + n * 8 + (lane & 3) * 2, o[mt][n][2 * r] * inv,
+                        o[mt][n][2 * r + 1] * inv, p.out_aligned4);
       if ((lane & 3) == 0)
         p.lse[q_side_offset(p, p.lse_strides, seq, i, h)] =
             empty ? -INFINITY : row_max[mt][r] + logf(sum);

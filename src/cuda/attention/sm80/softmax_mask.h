@@ -17,14 +17,18 @@ using namespace cuda_common;  // params, tile I/O and warp math shared with the 
 // S[16 x KEYS] of one warp: rows [a_row0, a_row0 + 16) of the shared A tile times rows
 // [b_row0, b_row0 + KEYS) of the shared B tile, both row-major [row][d] and swizzled with
 // width D, fp32, unscaled. Q K^T (logits) and dO V^T (dP) are both this product.
-template <class T, int D, int KEYS>
+// kPadded: only the first `cols` columns are real (the rest zero-filled), and the 16-column
+// steps past them, which would add exact zeros, are skipped, as the forward skips them.
+template <class T, int D, int KEYS, bool kPadded = false>
 __device__ __forceinline__ void qk_logits(float (&s)[KEYS / 8][4], const std::uint16_t* a_tile,
-                                          int a_row0, const std::uint16_t* b_tile, int b_row0) {
+                                          int a_row0, const std::uint16_t* b_tile, int b_row0,
+                                          int cols = D) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int n = 0; n < KEYS / 8; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
+    if (kPadded && kk * 16 >= cols) break;
     std::uint32_t a[4];
     ldmatrix_x4(a, smem_addr(a_tile + swizzle<D>(a_row0 + (lane & 15), kk * 2 + (lane >> 4))));
 #pragma unroll

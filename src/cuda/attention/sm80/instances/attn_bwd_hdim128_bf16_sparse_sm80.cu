@@ -3,5 +3,5 @@
 #include "cuda/attention/sm80/launch_impl.h"
 
 namespace vidattn::cuda_sm80 {
-template void launch_block_sparse_backward<__nv_bfloat16, 128>(const AttentionParams&, cudaStream_t);
+template void launch_block_sparse_backward<__nv_bfloat16, 128, false>(const AttentionParams&, cudaStream_t);
 }  // namespace vidattn::cuda_sm80

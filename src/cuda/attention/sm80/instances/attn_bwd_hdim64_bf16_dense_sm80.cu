@@ -3,5 +3,5 @@
 #include "cuda/attention/sm80/launch_impl.h"
 
 namespace vidattn::cuda_sm80 {
-template void launch_backward<__nv_bfloat16, 64>(const AttentionParams&, cudaStream_t);
+template void launch_backward<__nv_bfloat16, 64, false>(const AttentionParams&, cudaStream_t);
 }  // namespace vidattn::cuda_sm80

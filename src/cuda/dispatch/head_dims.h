@@ -1,0 +1,59 @@
+// Which sm_80 instance serves a problem's head dims (q / k: D, v / out: Dv), host code of
+// dispatch/. The rule (docs/kernel-map.md):
+//   D = Dv = 64 or 128            -> the exact instance of that width (no padding code);
+//   otherwise W = the smallest of 64, 96, 128, 192, 256 that is >= max(D, Dv)
+//                                 -> the padded instance of width W.
+// One width for both operands: the tiles of q, k, v, dO share one layout and the kernels one
+// mainloop, so padding Dv separately would multiply the instances by the pairs of widths for a
+// saving only where D and Dv differ by more than a width step (the kernels skip the mma steps
+// past each real dim at run time, so a padded width costs shared memory and registers, not
+// products). The widths: 64 and 128 exist for the exact dims; 96 serves 72 / 80 / 96 (common
+// in DiTs) with 25% smaller tiles than 128; 192 and 256 are the two sizes above 128 whose O
+// accumulator (W / 2 registers per thread with one m-tile per warp) and tiles fit every sm_80
+// class GPU's forward. 160 and 224 would only shrink tiles, on dims no model we target uses,
+// for 18 more instances. Keep in step with tools/codegen/gen_sm80_instances.py.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "vidattn/tensor_view.h"
+
+namespace vidattn::cuda_dispatch {
+
+constexpr std::int64_t kMaxHeadDim = 256;
+
+// Whether an sm_80 instance serves (D, Dv): both multiples of 8 in [8, 256].
+inline bool sm80_head_dims_supported(std::int64_t d, std::int64_t dv) {
+  auto ok = [](std::int64_t x) { return x >= 8 && x <= kMaxHeadDim && x % 8 == 0; };
+  return ok(d) && ok(dv);
+}
+
+// Whether the sm_90a kernels exist for (D, Dv): D = Dv = 64 or 128.
+inline bool sm90_head_dims_supported(std::int64_t d, std::int64_t dv) {
+  return d == dv && (d == 64 || d == 128);
+}
+
+// fn(T{}, integral_constant<int, W>{}, bool_constant<kPadded>{}) for a supported (dtype, D, Dv)
+// (the caller checked sm80_head_dims_supported); the rule above.
+template <class Fn>
+void dispatch_sm80_head_dims(DType dtype, std::int64_t d, std::int64_t dv, Fn&& fn) {
+  auto with_width = [&](auto t) {
+    using T = decltype(t);
+    const std::int64_t m = d > dv ? d : dv;
+    if (d == dv && m == 64) return fn(T{}, std::integral_constant<int, 64>{}, std::false_type{});
+    if (d == dv && m == 128) return fn(T{}, std::integral_constant<int, 128>{}, std::false_type{});
+    if (m <= 64) return fn(T{}, std::integral_constant<int, 64>{}, std::true_type{});
+    if (m <= 96) return fn(T{}, std::integral_constant<int, 96>{}, std::true_type{});
+    if (m <= 128) return fn(T{}, std::integral_constant<int, 128>{}, std::true_type{});
+    if (m <= 192) return fn(T{}, std::integral_constant<int, 192>{}, std::true_type{});
+    return fn(T{}, std::integral_constant<int, 256>{}, std::true_type{});
+  };
+  if (dtype == DType::kBFloat16) with_width(__nv_bfloat16{});
+  else with_width(__half{});
+}
+
+}  // namespace vidattn::cuda_dispatch
