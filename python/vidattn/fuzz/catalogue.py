@@ -92,8 +92,7 @@ ENTRIES = [
     Entry("vsa.gate_shape", "t = vidattn.VideoTiling((4, 8, 4), device=dev); x = r(1, 128, 2, D); vidattn.video_sparse_attention(x, x, x, tiling=t, topk=1, gate=r(1, 128, 2, 8))"),
     Entry("vsa.gate_with_dv_ne_d", "t = vidattn.VideoTiling((4, 8, 4), device=dev); x = r(1, 128, 2, D)\n"
           "o = vidattn.video_sparse_attention(x, x, r(1, 128, 2, 32), tiling=t, topk=1, gate=r(1, 128, 2, 32))\n"
-          "assert o.shape == (1, 128, 2, 32)", kind=OK,
-          expect_fail="CUDA takes Dv != D once issue 48's head dims land", expect_fail_on=("cuda",)),
+          "assert o.shape == (1, 128, 2, 32)", kind=OK),
     Entry("vsa.topk_zero", "t = vidattn.VideoTiling((4, 8, 4), device=dev); x = r(1, 128, 2, D); vidattn.video_sparse_attention(x, x, x, tiling=t, topk=0)"),
     Entry("gather_tokens.rank3", "torch.ops.vidattn.gather_tokens(r(4, 2, 8), torch.zeros(4, dtype=torch.int32, device=dev))"),
     # must work: NaN and empty tensors
