@@ -472,21 +472,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     started = time.perf_counter()
     results = []
-    for m in models:
-        # One model build per depth: the directions timed at the same depth share it.
-        depths = dict.fromkeys(layers[(m, d)] for d in directions if layers[(m, d)] != 0)
-        for depth in depths:
-            chosen = [d for d in directions if layers[(m, d)] == depth]
-            results.append(run_model(m, depth, impls, chosen, device, timer, args.sparsity,
-                                     args.seed, not args.no_profile))
     import diffusers
 
-    doc = result_doc("e2e", argv, device=device, timer=timer.name, sparsity=args.sparsity,
-                     diffusers_version=diffusers.__version__,
-                     vsa_tile=[4, 4, 4], peer=PEER, models=results,
-                     step="one call of WanTransformer3DModel (one denoising step, batch 1, one "
-                          "CFG branch); training adds the backward of a fixed output gradient",
-                     wall_s=round(time.perf_counter() - started, 3))
+    def document(complete: bool) -> dict:
+        return result_doc("e2e", argv, device=device, timer=timer.name, sparsity=args.sparsity,
+                          diffusers_version=diffusers.__version__,
+                          vsa_tile=[4, 4, 4], peer=PEER, models=results, complete=complete,
+                          step="one call of WanTransformer3DModel (one denoising step, batch 1, "
+                               "one CFG branch); training adds the backward of a fixed output "
+                               "gradient",
+                          wall_s=round(time.perf_counter() - started, 3))
+
     out = args.out
     if out is None:
         depths = set(layers.values()) - {0}
@@ -494,7 +490,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        else "")
         root = args.out_dir if args.out_dir is not None else \
             environment.repo_root() / "bench" / "results"
-        out = Path(root) / doc["device"] / f"{tag}.json"
+        out = Path(root) / document(complete=False)["device"] / f"{tag}.json"
+
+    for m in models:
+        # One model build per depth: the directions timed at the same depth share it.
+        depths = dict.fromkeys(layers[(m, d)] for d in directions if layers[(m, d)] != 0)
+        for depth in depths:
+            chosen = [d for d in directions if layers[(m, d)] == depth]
+            results.append(run_model(m, depth, impls, chosen, device, timer, args.sparsity,
+                                     args.seed, not args.no_profile))
+            # The models done so far, in case a time limit stops the run before the end.
+            write_json(out, document(complete=False))
+    doc = document(complete=True)
     write_json(out, doc)
     print(f"wrote {out}")
     if not args.no_plot:
