@@ -385,9 +385,10 @@ def test_cuda_graph_capture_skips_the_check():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, eager)
+    bad = _idx(0, 3, 9).cuda()  # before the capture: a pageable copy cannot be captured
     bad_graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(bad_graph):  # not checked, so no error (and no fault: clamped)
-        vidattn.attention_varlen(q, k, v, _idx(0, 3, 9).cuda(), ck, 6, 4)
+        vidattn.attention_varlen(q, k, v, bad, ck, 6, 4)
     bad_graph.replay()
     torch.cuda.synchronize()
 
