@@ -70,6 +70,61 @@ def test_sm90_forward_matches_reference(case, input_scale):
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
+
+# Head dims other than D = Dv = 64 / 128 run the padded instances of width 128, 192 and 256
+# (FwdConfig::padded_head_dim): TMA fills the columns past D (q, k) and Dv (v) with zeros and
+# the output store drops those past Dv. Outputs land on NaN-poisoned memory, so a column
+# written past Dv, or one left unwritten, fails. Each width on the paths it takes: at width
+# 128 the configurations of D = 128 (one key block at <= 128 keys, three warpgroups at <= 512,
+# the persistent grid, CTA pairs past 24576 keys), above 128 the one of dense_wide (64-key
+# blocks; TMA-stored output at 192, the threads' stores at 256); Dv != D both ways.
+PADDED_CASES = [  # B, Sq, Sk, Hq, Hkv, D, Dv, dtype, causal
+    (2, 700, 1500, 4, 2, 96, 96, torch.bfloat16, False),
+    (1, 1000, 1000, 4, 4, 72, 72, torch.float16, True),
+    (1, 600, 77, 8, 8, 80, 80, torch.bfloat16, False),
+    (1, 384, 300, 66, 6, 96, 96, torch.float16, False),
+    (1, 256, 24700, 2, 2, 112, 112, torch.bfloat16, False),
+    (1, 500, 500, 4, 4, 128, 64, torch.bfloat16, False),
+    (1, 500, 520, 4, 4, 64, 128, torch.float16, True),
+    (1, 800, 900, 4, 2, 192, 128, torch.bfloat16, False),
+    (1, 700, 2100, 4, 4, 192, 192, torch.float16, True),
+    (1, 300, 301, 2, 2, 136, 200, torch.float16, True),
+    (2, 500, 777, 4, 2, 256, 256, torch.bfloat16, False),
+    (1, 900, 600, 4, 4, 256, 256, torch.float16, True),
+    (1, 300, 300, 2, 2, 256, 8, torch.bfloat16, False),
+]
+
+
+@pytest.mark.parametrize("case", PADDED_CASES, ids=lambda c: "B{}_Sq{}_Sk{}_H{}x{}_D{}_Dv{}_{}_{}".format(
+    *c[:7], str(c[7])[6:], "causal" if c[8] else "full"))
+@pytest.mark.parametrize("input_scale", [1.0, 16.0])
+def test_sm90_padded_head_dims_match_reference(case, input_scale):
+    B, Sq, Sk, Hq, Hkv, D, Dv, dtype, causal = case
+    seed = zlib.crc32(repr(("padded", case, input_scale)).encode())
+    g = gen(seed)
+    q = randn((B, Sq, Hq, D), dtype, g, input_scale)
+    k = randn((B, Sk, Hkv, D), dtype, g, input_scale)
+    v = randn((B, Sk, Hkv, Dv), dtype, g)
+    takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
+
+
+# Key and query padding masks at padded widths: packed as varlen when D = Dv and not causal,
+# the masked instance otherwise (Dv != D: the packing copies k and v at one width; causal).
+@pytest.mark.parametrize("D,Dv,causal", [(96, 96, False), (192, 128, False), (256, 256, False),
+                                         (80, 80, True), (256, 256, True)])
+def test_sm90_padded_head_dims_with_padding_masks(D, Dv, causal):
+    seed = zlib.crc32(repr(("padded masks", D, Dv, causal)).encode())
+    g = gen(seed)
+    B, Sq, Sk, H = 3, 300, 700, 2
+    q = randn((B, Sq, H, D), torch.bfloat16, g, 4.0)
+    k = randn((B, Sk, H, D), torch.bfloat16, g, 4.0)
+    v = randn((B, Sk, H, Dv), torch.bfloat16, g)
+    kmask = torch.rand((B, Sk), generator=g, device=DEV) > 0.3
+    qmask = torch.rand((B, Sq), generator=g, device=DEV) > 0.2
+    kmask[1] = False  # every row of this batch entry sees nothing
+    takes_sm90(lambda: run_and_check(q, k, v, causal=causal, kmask=kmask, qmask=qmask,
+                                     seed=seed, check_grads=False))
+
 # Dense D = 128 with at most 512 keys runs on three warpgroups over 64-key blocks
 # (Dense128ShortTraits) when its 192-row tiles put no more rows on the busiest SM than 128-row
 # tiles would (dense128_short_fits): 66 heads of 384 queries are 132 such tiles, one per SM

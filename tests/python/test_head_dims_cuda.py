@@ -3,8 +3,9 @@ multiples of 8 up to 256, Dv != D included (src/cuda/dispatch/head_dims.h maps t
 padded instances). Forward and backward against the float64 reference with the rule of
 docs/conventions.md, outputs on NaN-poisoned memory (a column the stores skip by mistake, or
 one they write past the real head dim, shows up), dense (masks, varlen, GQA, causal, Sq != Sk,
-odd sizes, misaligned rows), block-sparse and VSA; the dispatch keeps these dims off the
-sm_90a kernels. Skipped without a GPU.
+odd sizes, misaligned rows), block-sparse and VSA. On Hopper the dense forward at these dims
+runs the padded sm_90a instances (test_attention_sm90.py tests their paths), the rest the
+portable kernels. Skipped without a GPU.
 """
 from __future__ import annotations
 
@@ -264,20 +265,23 @@ def test_unsupported_head_dims_raise_not_implemented(dims):
                     torch.cuda.get_device_capability() != (9, 0)
                     or not hasattr(torch.ops.vidattn, "_sm90_forward_launches"),
                     reason="needs an sm_90 GPU and a VIDATTN_TESTING build")
-def test_hopper_keeps_64_and_128_and_sends_other_dims_to_the_portable_path():
+def test_hopper_forward_takes_every_dim_past_64_and_leaves_the_rest_portable():
+    """The dense forward's sm_90a instances: exact D = Dv = 64 / 128, padded widths for every
+    (D, Dv) with 64 < max(D, Dv) <= 256 (cuda/dispatch/head_dims.h); below, the portable path."""
     import os
     if os.environ.get("VIDATTN_DISABLE_SM90") == "1":
         pytest.skip("the sm90 path is disabled in this process")
     launches = torch.ops.vidattn._sm90_forward_launches
-    for dims in [(96, 96), (192, 128), (256, 256), (64, 128), (128, 64)]:
+    for dims in [(96, 96), (192, 128), (256, 256), (64, 128), (128, 64), (72, 72), (8, 136),
+                 (64, 64), (128, 128)]:
         q, k, v = qkv(1, 200, 200, 2, 2, *dims, torch.bfloat16, 800)
         before = launches()
         vidattn.attention(q, k, v)
         torch.cuda.synchronize()
-        assert launches() == before, f"{dims} ran on the sm90 kernels"
-    for d in (64, 128):
-        q, k, v = qkv(1, 200, 200, 2, 2, d, d, torch.bfloat16, 801)
+        assert launches() > before, f"{dims} left the sm90 kernels"
+    for dims in [(40, 40), (8, 8), (64, 48), (56, 56)]:
+        q, k, v = qkv(1, 200, 200, 2, 2, *dims, torch.bfloat16, 801)
         before = launches()
         vidattn.attention(q, k, v)
         torch.cuda.synchronize()
-        assert launches() > before, f"D = {d} left the sm90 kernels"
+        assert launches() == before, f"{dims} ran on the sm90 kernels"

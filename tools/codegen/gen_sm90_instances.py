@@ -1,7 +1,8 @@
 """Writes the instantiation files of the Hopper (sm_90a) attention kernels,
 src/cuda/attention/sm90/instances/attn_{fwd,bwd}_hdim{D}_{dtype}_{variant}_sm90.cu: one explicit
 instantiation of a launcher per (direction, head dim, dtype, variant: forward dense | sparse |
-sparse_combine, backward dense | sparse), so
+sparse_combine, backward dense | sparse; D = 64, 128, and the dense forward's padded widths
+128pad, 192pad, 256pad), so
 that the build runs them in parallel and a subset can be built alone. Run from anywhere after
 changing the list; the files are committed (edit this generator, not its output)."""
 from pathlib import Path
@@ -9,6 +10,11 @@ from pathlib import Path
 DIR = Path(__file__).resolve().parents[2] / "src" / "cuda" / "attention" / "sm90" / "instances"
 DTYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}
 HEAD_DIMS = (64, 128)
+# Padded widths of the dense forward (FwdConfig::padded_head_dim): every (D, Dv) with
+# 64 < max(D, Dv) <= 256 that is not an exact width (src/cuda/dispatch/head_dims.h).
+PADDED_FWD_WIDTHS = (128, 192, 256)
+PADDED_FWD_DENSE = ("template bool launch_dense_forward<{t}, {d}, true>(const AttentionParams&,\n"
+                    "                                                        cudaStream_t);")
 FWD_VARIANTS = {
     "dense": "template bool launch_dense_forward<{t}, {d}>(const AttentionParams&, cudaStream_t);",
     "sparse": "template bool launch_sparse_forward<{t}, {d}>(const AttentionParams&,\n"
@@ -46,6 +52,10 @@ def main():
                     path = DIR / f"attn_{direction}_hdim{d}_{dt}_{variant}_sm90.cu"
                     path.write_text(TEMPLATE.format(direction=direction,
                                                     line=line.format(t=ctype, d=d)))
+        for w in PADDED_FWD_WIDTHS:
+            path = DIR / f"attn_fwd_hdim{w}pad_{dt}_dense_sm90.cu"
+            path.write_text(TEMPLATE.format(direction="fwd",
+                                            line=PADDED_FWD_DENSE.format(t=ctype, d=w)))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 #   OUT=$OUT PYTEST_PATHS="tests/python/test_a.py ..." BENCH="dense --shapes 1,39936,12,128" \
 #     CMAKE_ARGS="-DVIDATTN_CUDA_TARGETS=90a" bash tools/gpu/branch_check.sh
 #
-# PYTEST_TIMEOUT (s, 240), BENCH_TIMEOUT (s, 150), JOBS (nproc). Prints the build time, the
+# BENCH may hold several bench runs separated by ';'. PYTEST_TIMEOUT (s, 240), BENCH_TIMEOUT (s,
+# 150, per run), JOBS (nproc). Prints the build time, the
 # pytest summary and failures, and the bench table; logs and the bench JSON land in OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
@@ -32,9 +33,15 @@ if [ -n "${PYTEST_PATHS:-}" ]; then
   echo "pytest rc=$? at $((SECONDS - t0))s: $(tail -n 1 "$OUT/pytest.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -n 30
 fi
-if [ -n "${BENCH:-}" ]; then
-  timeout "${BENCH_TIMEOUT:-150}" python3 -m vidattn.bench $BENCH --out "$OUT/bench.json" \
-    >"$OUT/bench.log" 2>&1
-  echo "bench rc=$? at $((SECONDS - t0))s"
-  grep -v '^{' "$OUT/bench.log" | tail -n 25
-fi
+# BENCH may name several runs separated by ';' (bench.json, bench-2.json, ...).
+n=0
+IFS=';' read -ra benches <<<"${BENCH:-}"
+for bench in "${benches[@]}"; do
+  [ -n "${bench// /}" ] || continue
+  n=$((n + 1))
+  suffix=$([ "$n" = 1 ] && echo "" || echo "-$n")
+  timeout "${BENCH_TIMEOUT:-150}" python3 -m vidattn.bench $bench --out "$OUT/bench$suffix.json" \
+    >"$OUT/bench$suffix.log" 2>&1
+  echo "bench$suffix ($bench) rc=$? at $((SECONDS - t0))s"
+  grep -v '^{' "$OUT/bench$suffix.log" | tail -n 30
+done

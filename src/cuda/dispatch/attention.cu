@@ -72,12 +72,11 @@ AttentionParams base_params(const AttentionProblem& p, const TensorView& q, cons
 }
 
 // Whether the dense forward and backward may take the sm_90a kernels (they also need sm_90a code in this
-// build; the launcher answers that).
+// build; the launcher answers that), head dims aside: the callers check those
+// (cuda_dispatch/head_dims.h), since the forward has more of them than the backward.
 bool sm90_dense_fits(const AttentionProblem& p, const AttentionParams& kp, const TensorView& q,
                      const TensorView& k, const TensorView& v, const TensorView& out) {
 #ifdef VIDATTN_WITH_CUTLASS
-  // Other head dims run the portable kernels on every GPU until sm_90a instances exist.
-  if (!cuda_dispatch::sm90_head_dims_supported(p.head_dim, p.head_dim_v)) return false;
   if (!cuda_dispatch::sm90_path_enabled(p.device.index)) return false;
   // Empty sides have nothing to describe to TMA; the portable path handles them.
   if (kp.rows_q <= 0 || kp.rows_k <= 0 || kp.seqlen_q <= 0 || kp.seqlen_k <= 0) return false;
@@ -178,7 +177,7 @@ MaskedCopies zero_masked_inputs(AttentionParams& kp, const AttentionProblem& p, 
   return c;
 }
 
-// The sm_90a instances: D = Dv = 64 or 128 (sm90_dense_fits checked).
+// The sm_90a backward instances: D = Dv = 64 or 128 (the caller checked).
 template <class Launch>
 void dispatch(const AttentionProblem& p, Launch&& launch) {
   cuda_common::dispatch_dtype_head_dim(p.dtype, p.head_dim, std::forward<Launch>(launch));
@@ -208,24 +207,29 @@ void cuda_attention_forward(const AttentionProblem& p, const TensorView& q, cons
   AttentionParams kp = base_params(p, q, k, v, out, lse, o);
   kp.out_aligned4 = rows_aligned(out, 4);
 #ifdef VIDATTN_WITH_CUTLASS
-  if (sm90_dense_fits(p, kp, q, k, v, out)) {
+  if (cuda_dispatch::sm90_dense_forward_head_dims(p.head_dim, p.head_dim_v) &&
+      sm90_dense_fits(p, kp, q, k, v, out)) {
     bool launched = false;
-    dispatch(p, [&](auto t, auto d) {
-      using T = decltype(t);
-      constexpr int D = decltype(d)::value;
-      // Key padding runs packed as varlen (only the valid keys); the masked instance when
-      // that cannot run (causal, or no memory for the packed copies).
-      if (cuda_sm90::pack_padding_fits(kp))
-        launched = cuda_sm90::forward_padding_packed(
-            kp, D, sizeof(T), stream, [&](const AttentionParams& varlen) {
-              return cuda_sm90::launch_dense_forward<T, D>(varlen, stream);
-            });
-      if (!launched) {
-        AttentionParams masked = kp;
-        const MaskedCopies copies = zero_masked_inputs(masked, p, false, stream);
-        launched = cuda_sm90::launch_dense_forward<T, D>(masked, stream);
-      }
-    });
+    cuda_dispatch::dispatch_sm90_dense_forward_head_dims(
+        p.dtype, p.head_dim, p.head_dim_v, [&](auto t, auto d, auto padded) {
+          using T = decltype(t);
+          constexpr int D = decltype(d)::value;
+          constexpr bool kPadded = decltype(padded)::value;
+          // Key padding runs packed as varlen (only the valid keys); the masked instance when
+          // that cannot run (causal, Dv != D: the packing copies k and v at one width, or no
+          // memory for the packed copies).
+          if (cuda_sm90::pack_padding_fits(kp) && p.head_dim == p.head_dim_v)
+            launched = cuda_sm90::forward_padding_packed(
+                kp, static_cast<int>(p.head_dim), sizeof(T), stream,
+                [&](const AttentionParams& varlen) {
+                  return cuda_sm90::launch_dense_forward<T, D, kPadded>(varlen, stream);
+                });
+          if (!launched) {
+            AttentionParams masked = kp;
+            const MaskedCopies copies = zero_masked_inputs(masked, p, false, stream);
+            launched = cuda_sm90::launch_dense_forward<T, D, kPadded>(masked, stream);
+          }
+        });
     if (launched) return;
   }
 #endif
@@ -254,7 +258,8 @@ void cuda_attention_backward(const AttentionProblem& p, const TensorView& q,
   kp.aligned16 = kp.aligned16 && rows_aligned(grad_out, 16);
   kp.out_aligned4 = rows_aligned(dq, 4) && rows_aligned(dk, 4) && rows_aligned(dv, 4);
   const auto stream = static_cast<cudaStream_t>(o.stream);
-  const bool sm90 = sm90_dense_fits(p, kp, q, k, v, out) && cuda_dispatch::tma_compatible(grad_out);
+  const bool sm90 = cuda_dispatch::sm90_exact_head_dims(p.head_dim, p.head_dim_v) &&
+                    sm90_dense_fits(p, kp, q, k, v, out) && cuda_dispatch::tma_compatible(grad_out);
   const MaskedCopies copies = zero_masked_inputs(kp, p, true, stream);
   (void)sm90;
 #ifdef VIDATTN_WITH_CUTLASS

@@ -93,7 +93,7 @@ const TensorView* optional_view(const std::optional<TensorView>& t) {
 bool sm90_sparse_fits(const BlockSparseProblem& p, const TensorView& q2k_index,
                       const BlockSparseOptions& o, std::initializer_list<const TensorView*> tiles) {
   // Other head dims run the portable kernels on every GPU until sm_90a instances exist.
-  if (!cuda_dispatch::sm90_head_dims_supported(p.head_dim, p.head_dim_v) ||
+  if (!cuda_dispatch::sm90_exact_head_dims(p.head_dim, p.head_dim_v) ||
       p.batch * p.seqlen_q > INT32_MAX ||
       p.batch * p.seqlen_k > INT32_MAX)
     return false;

@@ -32,9 +32,40 @@ inline bool sm80_head_dims_supported(std::int64_t d, std::int64_t dv) {
   return ok(d) && ok(dv);
 }
 
-// Whether the sm_90a kernels exist for (D, Dv): D = Dv = 64 or 128.
-inline bool sm90_head_dims_supported(std::int64_t d, std::int64_t dv) {
+// Whether the sm_90a kernels of exact widths serve (D, Dv): D = Dv = 64 or 128. The backward
+// and the block-sparse forward exist only at these; the dense forward has padded widths too.
+inline bool sm90_exact_head_dims(std::int64_t d, std::int64_t dv) {
   return d == dv && (d == 64 || d == 128);
+}
+
+// The sm_90a dense forward: the exact widths, and padded instances of width 128, 192 and 256
+// (attention/sm90/fwd_config.h, padded_head_dim) for every other (D, Dv) with
+// 64 < max(D, Dv) <= 256. Up to 64 (D = 8 .. 56, or Dv != D there) the portable kernels
+// serve: no model we target uses those dims, and a width-64 padded instance would add four
+// more instances for them.
+inline bool sm90_dense_forward_head_dims(std::int64_t d, std::int64_t dv) {
+  const std::int64_t m = d > dv ? d : dv;
+  return sm90_exact_head_dims(d, dv) || (m > 64 && m <= kMaxHeadDim);
+}
+
+// fn(T{}, integral_constant<int, W>{}, bool_constant<kPadded>{}) for a (dtype, D, Dv) that
+// sm90_dense_forward_head_dims admits: the exact instance, else the smallest padded width
+// of 128, 192, 256 that is >= max(D, Dv). Keep in step with
+// tools/codegen/gen_sm90_instances.py.
+template <class Fn>
+void dispatch_sm90_dense_forward_head_dims(DType dtype, std::int64_t d, std::int64_t dv,
+                                           Fn&& fn) {
+  auto with_width = [&](auto t) {
+    using T = decltype(t);
+    const std::int64_t m = d > dv ? d : dv;
+    if (d == dv && m == 64) return fn(T{}, std::integral_constant<int, 64>{}, std::false_type{});
+    if (d == dv && m == 128) return fn(T{}, std::integral_constant<int, 128>{}, std::false_type{});
+    if (m <= 128) return fn(T{}, std::integral_constant<int, 128>{}, std::true_type{});
+    if (m <= 192) return fn(T{}, std::integral_constant<int, 192>{}, std::true_type{});
+    return fn(T{}, std::integral_constant<int, 256>{}, std::true_type{});
+  };
+  if (dtype == DType::kBFloat16) with_width(__nv_bfloat16{});
+  else with_width(__half{});
 }
 
 // fn(T{}, integral_constant<int, W>{}, bool_constant<kPadded>{}) for a supported (dtype, D, Dv)

@@ -60,6 +60,7 @@ struct BwdTraits {
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static_assert(kHeadDim == 64 || kHeadDim == 128);
+  static constexpr bool kPaddedHeadDim = false;  // D = Dv = the width (launch_utils.h)
 
   // K-major (head dim contiguous) tiles with the 128-byte swizzle atom, as TMA writes them.
   using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;

@@ -38,7 +38,7 @@ enum class Speculation : std::uint8_t {
 // A CTA holds one producer warpgroup and streams * wg_per_stream consumer warpgroups. A
 // "stream" is a Q tile of 64 * wg_per_stream rows with its own K / V pipeline.
 struct FwdConfig {
-  int head_dim = 128;
+  int head_dim = 128;       // the tile width of q, k, v and out (see padded_head_dim)
   int block_n = 128;        // keys per K / V block
   int wg_per_stream = 2;    // consumer warpgroups (64 query rows each) sharing a stream's K / V
   int streams = 1;          // streams per CTA
@@ -75,6 +75,13 @@ struct FwdConfig {
   // The consumers set a tile up from its record before its Q arrives (overlapping Q's load).
   bool early_tile_setup = false;
   Speculation speculation = Speculation::kOverlapped;
+  // q / k (D) and v / out (Dv) have at most head_dim columns, given at run time
+  // (AttentionParams::head_dim, head_dim_v): the TMA descriptors take the real widths, so
+  // the loads fill the columns past them with zeros (which add nothing to Q K^T and give
+  // zero columns of O) and the TMA store drops them; the threads' own stores skip them.
+  // One instance per width serves every (D, Dv) up to it, at the cost of the zero columns'
+  // products.
+  bool padded_head_dim = false;
 
   constexpr int block_m() const { return 64 * wg_per_stream * streams; }
 };
@@ -157,6 +164,23 @@ constexpr FwdConfig sparse64(int d) {
 constexpr FwdConfig sparse64_combine(int d) {
   FwdConfig c = sparse64(d);
   c.fused_combine = true;
+  return c;
+}
+
+// Dense at head dims above 128 (D = 192 / Dv = 128, D = 256; padded instances): two
+// warpgroups of 240 registers hold a 64 x 256 fp32 O (128 each) beside a 64 x 64 S, so 64-key
+// blocks. Shared memory (227 KiB): at 256, Q (64 KiB) and two K and two V slots of 64 keys
+// (4 x 32 KiB) leave no room for O's TMA staging (64 KiB), so the threads store O; at 192,
+// Q, the slots and O's staging take 192 KiB. 128-key blocks need 240 KiB at 192 without O.
+// The three-warpgroup tiles (160 registers) cannot hold O above 128.
+constexpr FwdConfig dense_wide(int d) {
+  return {.head_dim = d, .block_n = 64, .wg_per_stream = 2, .streams = 1, .stages_k = 2,
+          .stages_v = 2, .tma_store_o = d <= 192, .padded_head_dim = true};
+}
+
+// `c` as a padded instance (FwdConfig::padded_head_dim), or as it is.
+constexpr FwdConfig with_padding(FwdConfig c, bool padded) {
+  c.padded_head_dim = padded;
   return c;
 }
 

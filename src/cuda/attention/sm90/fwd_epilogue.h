@@ -90,7 +90,9 @@ __device__ __forceinline__ void store_lse(const AttentionParams& p, const Sequen
 // columns of its row for each v / 4; transposed across the quad, each lane stores 16 bytes
 // of the row at once (4-byte stores straight from the accumulator used half of every 32-byte
 // sector: short key loops are bound by their output).
-template <class Element, class Frag, class Coords>
+// kPaddedCols: out has p.head_dim_v <= the tile's columns (a padded instance); octets past
+// it are not stored (Dv is a multiple of 8, so an octet is all in or all out).
+template <class Element, bool kPaddedCols, class Frag, class Coords>
 __device__ __forceinline__ void write_output_octets(const AttentionParams& p, const Sequence& seq,
                                                     int h, std::int64_t q0, const Frag& o,
                                                     const Coords& coords, OnlineSoftmax& sm,
@@ -117,8 +119,9 @@ __device__ __forceinline__ void write_output_octets(const AttentionParams& p, co
         words[t] = row.empty ? 0u : pack_pair<Element>(o(v) * row.inv, o(v + 1) * row.inv);
       }
       quad_transpose(words, lane);
-      if (row.valid)
-        *reinterpret_cast<uint4*>(dst + col0 + 8 * (4 * g + quad_lane)) =
+      const int col = col0 + 8 * (4 * g + quad_lane);
+      if (row.valid && (!kPaddedCols || col < p.head_dim_v))
+        *reinterpret_cast<uint4*>(dst + col) =
             make_uint4(words[0], words[1], words[2], words[3]);
     }
     if (row.valid && quad_lane == 0) store_lse(p, seq, h, row, sm.row_max[r]);

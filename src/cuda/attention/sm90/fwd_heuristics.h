@@ -37,6 +37,14 @@ using Sparse64Traits = FwdTraits<CutlassElement<T>, sparse64(D)>;
 template <class T, int D>
 using Sparse64CombineTraits = FwdTraits<CutlassElement<T>, sparse64_combine(D)>;
 
+// The same configuration as a padded instance (FwdConfig::padded_head_dim) when kPadded.
+template <class Traits, bool kPadded>
+struct WithPaddingOf {
+  using type = FwdTraits<typename Traits::Element, with_padding(Traits::kConfig, kPadded)>;
+};
+template <class Traits, bool kPadded>
+using WithPadding = typename WithPaddingOf<Traits, kPadded>::type;
+
 // The dense grid (the block-sparse kernels take stream items on a persistent grid instead):
 // one CTA per tile for long key sequences, a persistent grid of (SMs - sm_margin) CTAs for
 // short ones and when the caller leaves SMs free.

@@ -11,15 +11,17 @@
 
 namespace vidattn::cuda_sm90 {
 
-// T is __nv_bfloat16 or __half, D is 64 or 128. Both return false, launching nothing, when
-// this build holds no sm_90a code for the kernel (CUTLASS missing, or 90a not among the
-// targets); the caller then takes the portable path. Asynchronous on `stream`; throw
-// std::runtime_error when a launch fails.
+// T is __nv_bfloat16 or __half, D is 64 or 128 (the dense forward: see kPadded). Both return
+// false, launching nothing, when this build holds no sm_90a code for the kernel (CUTLASS
+// missing, or 90a not among the targets); the caller then takes the portable path. Asynchronous
+// on `stream`; throw std::runtime_error when a launch fails.
 //
 // Dense (batched or varlen, masks, causal, GQA). Preconditions the caller checks
 // (sm90_dense_fits in dispatch/attention.cu): q, k, v, out rows 16-byte aligned, every stride a
 // multiple of 8 elements, Sq > 0, Sk > 0, scale > 0.
-template <class T, int D>
+// kPadded: the padded instance of width D (FwdConfig::padded_head_dim), which serves every
+// D, Dv up to D (multiples of 8, rows as above); D is then 128, 192 or 256.
+template <class T, int D, bool kPadded = false>
 bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream);
 
 // Block-sparse over key tiles (batched, no masks, no causal; GQA allowed). Same alignment

@@ -114,21 +114,25 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.kv_rows = static_cast<int>(a.varlen ? a.rows_k : a.seqlen_k);
   p.tma_batch = a.varlen ? 1 : a.batch;
   p.tma_q = make_tma_copy(SM90_TMA_LOAD{},
-                          gmem_view<Traits>(a.q, p.q_rows, a.heads_q, p.tma_batch, a.q_strides),
+                          gmem_view<Traits>(a.q, p.q_rows, a.heads_q, p.tma_batch, a.q_strides,
+                                            a.head_dim),
                           typename Traits::SmemLayoutQ{});
   using KVOp = typename Traits::TmaKVOp;
   constexpr auto kCluster = Int<Traits::kClusterM>{};
   p.tma_k = make_tma_copy(KVOp{},
-                          gmem_view<Traits>(a.k, p.kv_rows, a.heads_kv, p.tma_batch, a.k_strides),
+                          gmem_view<Traits>(a.k, p.kv_rows, a.heads_kv, p.tma_batch, a.k_strides,
+                                            a.head_dim),
                           typename Traits::SmemLayoutKVLoad{}, kCluster);
   p.tma_v = make_tma_copy(KVOp{},
-                          gmem_view<Traits>(a.v, p.kv_rows, a.heads_kv, p.tma_batch, a.v_strides),
+                          gmem_view<Traits>(a.v, p.kv_rows, a.heads_kv, p.tma_batch, a.v_strides,
+                                            a.head_dim_v),
                           typename Traits::SmemLayoutKVLoad{}, kCluster);
   if constexpr (Traits::kTmaStoreO) {
     // The out view meets TMA's rules (the caller checks them: fwd_launch.h).
     p.tma_o = make_tma_copy(
           SM90_TMA_STORE{},
-          gmem_view<Traits>(a.out, p.q_rows, a.heads_q, p.tma_batch, a.out_strides),
+          gmem_view<Traits>(a.out, p.q_rows, a.heads_q, p.tma_batch, a.out_strides,
+                            a.head_dim_v),
           typename Traits::SmemLayoutOStore{});
   }
   p.sched.set_shape(static_cast<int>((a.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM),
@@ -145,7 +149,8 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
     p.split.from = split_tail_from(a, slots, persistent_grid_ctas(a, sms));
     if (p.split.from < slots)
       p.tma_q_piece = make_tma_copy(
-          SM90_TMA_LOAD{}, gmem_view<Traits>(a.q, p.q_rows, a.heads_q, p.tma_batch, a.q_strides),
+          SM90_TMA_LOAD{}, gmem_view<Traits>(a.q, p.q_rows, a.heads_q, p.tma_batch, a.q_strides,
+                                             a.head_dim),
           typename Traits::SmemLayoutQPiece{});
     slots = p.split.slots(p.sched);
   }
@@ -189,41 +194,53 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
 
 }  // namespace launch_detail
 
-template <class T, int D>
+template <class T, int D, bool kPadded>
 bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
-  if (p.key_mask != nullptr) {
-    // Key padding runs an instance of its own, so that the mask code does not shape the
-    // unmasked kernel (with it, ptxas scheduled the unmasked loop differently: up to -6% at
-    // D = 128; docs/perf-history.md, Hopper v15). It keeps to the 128-row tile at D = 64
-    // (causal key padding only: the rest is packed as varlen first, pack_padding.h).
-    using Traits = launch_detail::DenseTraits<T, D>;
-    return launch_detail::launch<Traits, DenseVisit<Traits::kBlockN, true>>(
-        p, SparseKeyListArgs{}, stream);
-  }
-  using OneBlock = launch_detail::DenseOneBlockTraits<T, D>;
-  if (p.seqlen_k <= OneBlock::kBlockN &&  // kOneBlock runs one key block per tile
-      (D == 64 || launch_detail::dense128_short_fits<T>(p)))
-    return launch_detail::launch<OneBlock, DenseVisit<OneBlock::kBlockN>>(
-        p, SparseKeyListArgs{}, stream);
-  if constexpr (D == 64) {
-    using Wide = launch_detail::Dense64WideTraits<T>;
-    return launch_detail::launch<Wide, DenseVisit<Wide::kBlockN>>(p, SparseKeyListArgs{},
-                                                                     stream);
+  using launch_detail::WithPadding;
+  if constexpr (D > 128) {
+    // Above 128 one configuration serves every problem (fwd_config.h, dense_wide); key
+    // padding takes its masked visit.
+    using Traits = FwdTraits<launch_detail::CutlassElement<T>, dense_wide(D)>;
+    if (p.key_mask != nullptr)
+      return launch_detail::launch<Traits, DenseVisit<Traits::kBlockN, true>>(
+          p, SparseKeyListArgs{}, stream);
+    return launch_detail::launch<Traits, DenseVisit<Traits::kBlockN>>(p, SparseKeyListArgs{},
+                                                                         stream);
   } else {
-    if (launch_detail::dense128_short_fits<T>(p)) {
-      using Short = launch_detail::Dense128ShortTraits<T>;
-      return launch_detail::launch<Short, DenseVisit<Short::kBlockN>>(
+    if (p.key_mask != nullptr) {
+      // Key padding runs an instance of its own, so that the mask code does not shape the
+      // unmasked kernel (with it, ptxas scheduled the unmasked loop differently: up to -6% at
+      // D = 128; docs/perf-history.md, Hopper v15). It keeps to the 128-row tile at D = 64
+      // (causal key padding only: the rest is packed as varlen first, pack_padding.h).
+      using Traits = WithPadding<launch_detail::DenseTraits<T, D>, kPadded>;
+      return launch_detail::launch<Traits, DenseVisit<Traits::kBlockN, true>>(
           p, SparseKeyListArgs{}, stream);
     }
-    // Single CTAs when the pairs do not fit the problem or the device.
-    using Pair = launch_detail::DenseClusterTraits<T, D>;
-    if (launch_detail::dense_cluster_fits(p, Pair::kBlockM) &&
-        launch_detail::launch<Pair, DenseVisit<Pair::kBlockN>>(p, SparseKeyListArgs{},
-                                                                  stream))
-      return true;
-    using Traits = launch_detail::DenseTraits<T, D>;
-    return launch_detail::launch<Traits, DenseVisit<Traits::kBlockN>>(
-        p, SparseKeyListArgs{}, stream);
+    using OneBlock = WithPadding<launch_detail::DenseOneBlockTraits<T, D>, kPadded>;
+    if (p.seqlen_k <= OneBlock::kBlockN &&  // kOneBlock runs one key block per tile
+        (D == 64 || launch_detail::dense128_short_fits<T>(p)))
+      return launch_detail::launch<OneBlock, DenseVisit<OneBlock::kBlockN>>(
+          p, SparseKeyListArgs{}, stream);
+    if constexpr (D == 64) {
+      using Wide = WithPadding<launch_detail::Dense64WideTraits<T>, kPadded>;
+      return launch_detail::launch<Wide, DenseVisit<Wide::kBlockN>>(p, SparseKeyListArgs{},
+                                                                       stream);
+    } else {
+      if (launch_detail::dense128_short_fits<T>(p)) {
+        using Short = WithPadding<launch_detail::Dense128ShortTraits<T>, kPadded>;
+        return launch_detail::launch<Short, DenseVisit<Short::kBlockN>>(
+            p, SparseKeyListArgs{}, stream);
+      }
+      // Single CTAs when the pairs do not fit the problem or the device.
+      using Pair = WithPadding<launch_detail::DenseClusterTraits<T, D>, kPadded>;
+      if (launch_detail::dense_cluster_fits(p, Pair::kBlockM) &&
+          launch_detail::launch<Pair, DenseVisit<Pair::kBlockN>>(p, SparseKeyListArgs{},
+                                                                    stream))
+        return true;
+      using Traits = WithPadding<launch_detail::DenseTraits<T, D>, kPadded>;
+      return launch_detail::launch<Traits, DenseVisit<Traits::kBlockN>>(
+          p, SparseKeyListArgs{}, stream);
+    }
   }
 }
 

@@ -412,7 +412,8 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
         }
       }
       if (!stored)
-        write_output_octets<Element>(p.attn, t.seq, t.head, t.q0, tOrO, tOcO, softmax, row_limit);
+        write_output_octets<Element, Traits::kPaddedHeadDim>(p.attn, t.seq, t.head, t.q0, tOrO,
+                                                             tOcO, softmax, row_limit);
     };
 
     // The key block of ring slot `stage`, whose K has landed: the producer's record of it

@@ -24,9 +24,10 @@
 namespace vidattn::cuda_sm90 {
 
 // The compile-time shape of one named configuration (fwd_config.h) for one element type.
-template <class Element_, FwdConfig kConfig>
+template <class Element_, FwdConfig kConfig_>
 struct FwdTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
+  static constexpr FwdConfig kConfig = kConfig_;
   static constexpr int kHeadDim = kConfig.head_dim;
   static constexpr int kBlockN = kConfig.block_n;
   static constexpr int kWGPerStream = kConfig.wg_per_stream;
@@ -54,6 +55,10 @@ struct FwdTraits {
   static constexpr bool kRotatedWalk = kConfig.rotated_walk;
   static constexpr bool kUniformControl = kConfig.uniform_control;
   static constexpr bool kEarlyTileSetup = kConfig.early_tile_setup;
+  static constexpr bool kPaddedHeadDim = kConfig.padded_head_dim;
+  static_assert(!kPaddedHeadDim || (!kPrefixLoads && !kFusedCombine),
+                "padded widths: the dense kernels (the prefix loads' descriptors and the "
+                "combination assume D = Dv = the width)");
   static_assert(!kOneBlock || (kWGPerStream == 3 && kStagesK == 1 && kStagesV == 1),
                 "one block per tile: the three-warpgroup tile with one K and one V slot");
   static_assert(!kSplitTail || (kWGPerStream == 3 && kStreams == 1 && !kStreamItems &&
@@ -133,9 +138,11 @@ struct FwdTraits {
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
       WGLayout{}));
 
-  // Global tensors as TMA sees them: (rows, head dim, heads, batch), 64-bit strides.
+  // Global tensors as TMA sees them: (rows, head dim, heads, batch), 64-bit strides. A padded
+  // instance's head dim is the tensor's own (at most kHeadDim), known at run time.
+  using GmemCols = std::conditional_t<kPaddedHeadDim, int32_t, cute::Int<kHeadDim>>;
   using GmemLayout =
-      cute::Layout<cute::Shape<int32_t, cute::Int<kHeadDim>, int32_t, int32_t>,
+      cute::Layout<cute::Shape<int32_t, GmemCols, int32_t, int32_t>,
                    cute::Stride<int64_t, cute::_1, int64_t, int64_t>>;
   using GmemTensor = decltype(cute::make_tensor(
       cute::make_gmem_ptr(static_cast<Element const*>(nullptr)), GmemLayout{}));

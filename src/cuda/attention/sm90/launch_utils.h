@@ -26,17 +26,23 @@ using CutlassElement =
 
 // The (rows, D, heads, batch) view TMA reads. Strides of extent-1 dimensions never matter to
 // the addresses; they are replaced by packed values so that the descriptor's 16-byte stride
-// rule holds for any view.
+// rule holds for any view. `cols`: the tensor's head dim, read by padded instances
+// (Traits::kPaddedHeadDim: TMA fills the tile's columns past it with zeros); the others have
+// exactly Traits::kHeadDim.
 template <class Traits>
 typename Traits::GmemTensor gmem_view(const void* ptr, std::int64_t rows, int heads, int batch,
-                                      const RowStrides& st) {
+                                      const RowStrides& st, int cols = Traits::kHeadDim) {
   using namespace cute;
   constexpr int D = Traits::kHeadDim;
-  const std::int64_t head = heads > 1 ? st.head : D;
+  const std::int64_t head = heads > 1 ? st.head : cols;
   const std::int64_t row = rows > 1 ? st.row : head * heads;
   const std::int64_t bat = batch > 1 ? st.batch : row * rows;
+  auto width = [&] {
+    if constexpr (Traits::kPaddedHeadDim) return static_cast<int32_t>(cols);
+    else return Int<D>{};
+  };
   auto layout = make_layout(
-      make_shape(static_cast<int32_t>(rows), Int<D>{}, static_cast<int32_t>(heads),
+      make_shape(static_cast<int32_t>(rows), width(), static_cast<int32_t>(heads),
                  static_cast<int32_t>(batch)),
       make_stride(row, _1{}, head, bat));
   return make_tensor(make_gmem_ptr(static_cast<typename Traits::Element const*>(ptr)), layout);
