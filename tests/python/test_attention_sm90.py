@@ -77,7 +77,8 @@ def test_sm90_forward_matches_reference(case, input_scale):
 # written past Dv, or one left unwritten, fails. Each width on the paths it takes: at width
 # 128 the configurations of D = 128 (one key block at <= 128 keys, three warpgroups at <= 512,
 # the persistent grid, CTA pairs past 24576 keys), above 128 the one of dense_wide (64-key
-# blocks; TMA-stored output at 192, the threads' stores at 256); Dv != D both ways.
+# blocks; TMA-stored output at 192, the threads' stores at 256); Dv != D both ways, and the
+# instance of D = 192 with v and out 128 wide (128 < D <= 192 with Dv <= 128).
 PADDED_CASES = [  # B, Sq, Sk, Hq, Hkv, D, Dv, dtype, causal
     (2, 700, 1500, 4, 2, 96, 96, torch.bfloat16, False),
     (1, 1000, 1000, 4, 4, 72, 72, torch.float16, True),
@@ -87,6 +88,7 @@ PADDED_CASES = [  # B, Sq, Sk, Hq, Hkv, D, Dv, dtype, causal
     (1, 500, 500, 4, 4, 128, 64, torch.bfloat16, False),
     (1, 500, 520, 4, 4, 64, 128, torch.float16, True),
     (1, 800, 900, 4, 2, 192, 128, torch.bfloat16, False),
+    (1, 400, 650, 4, 2, 160, 96, torch.float16, True),
     (1, 700, 2100, 4, 4, 192, 192, torch.float16, True),
     (1, 300, 301, 2, 2, 136, 200, torch.float16, True),
     (2, 500, 777, 4, 2, 256, 256, torch.bfloat16, False),

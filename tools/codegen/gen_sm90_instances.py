@@ -12,9 +12,10 @@ DTYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}
 HEAD_DIMS = (64, 128)
 # Padded widths of the dense forward (FwdConfig::padded_head_dim): every (D, Dv) with
 # 64 < max(D, Dv) <= 256 that is not an exact width (src/cuda/dispatch/head_dims.h).
-PADDED_FWD_WIDTHS = (128, 192, 256)
-PADDED_FWD_DENSE = ("template bool launch_dense_forward<{t}, {d}, true>(const AttentionParams&,\n"
-                    "                                                        cudaStream_t);")
+# (width of q / k, width of v / out): D = 192 with Dv <= 128 has an instance of its own.
+PADDED_FWD_WIDTHS = ((128, 128), (192, 192), (192, 128), (256, 256))
+PADDED_FWD_DENSE = ("template bool launch_dense_forward<{t}, {d}, true, {dv}>(const AttentionParams&,\n"
+                    "                                                            cudaStream_t);")
 FWD_VARIANTS = {
     "dense": "template bool launch_dense_forward<{t}, {d}>(const AttentionParams&, cudaStream_t);",
     "sparse": "template bool launch_sparse_forward<{t}, {d}>(const AttentionParams&,\n"
@@ -52,10 +53,11 @@ def main():
                     path = DIR / f"attn_{direction}_hdim{d}_{dt}_{variant}_sm90.cu"
                     path.write_text(TEMPLATE.format(direction=direction,
                                                     line=line.format(t=ctype, d=d)))
-        for w in PADDED_FWD_WIDTHS:
-            path = DIR / f"attn_fwd_hdim{w}pad_{dt}_dense_sm90.cu"
+        for w, wv in PADDED_FWD_WIDTHS:
+            name = f"{w}pad" if wv == w else f"{w}v{wv}pad"
+            path = DIR / f"attn_fwd_hdim{name}_{dt}_dense_sm90.cu"
             path.write_text(TEMPLATE.format(direction="fwd",
-                                            line=PADDED_FWD_DENSE.format(t=ctype, d=w)))
+                                            line=PADDED_FWD_DENSE.format(t=ctype, d=w, dv=wv)))
 
 
 if __name__ == "__main__":

@@ -211,9 +211,9 @@ void cuda_attention_forward(const AttentionProblem& p, const TensorView& q, cons
       sm90_dense_fits(p, kp, q, k, v, out)) {
     bool launched = false;
     cuda_dispatch::dispatch_sm90_dense_forward_head_dims(
-        p.dtype, p.head_dim, p.head_dim_v, [&](auto t, auto d, auto padded) {
+        p.dtype, p.head_dim, p.head_dim_v, [&](auto t, auto d, auto padded, auto dv) {
           using T = decltype(t);
-          constexpr int D = decltype(d)::value;
+          constexpr int D = decltype(d)::value, Dv = decltype(dv)::value;
           constexpr bool kPadded = decltype(padded)::value;
           // Key padding runs packed as varlen (only the valid keys); the masked instance when
           // that cannot run (causal, Dv != D: the packing copies k and v at one width, or no
@@ -222,12 +222,12 @@ void cuda_attention_forward(const AttentionProblem& p, const TensorView& q, cons
             launched = cuda_sm90::forward_padding_packed(
                 kp, static_cast<int>(p.head_dim), sizeof(T), stream,
                 [&](const AttentionParams& varlen) {
-                  return cuda_sm90::launch_dense_forward<T, D, kPadded>(varlen, stream);
+                  return cuda_sm90::launch_dense_forward<T, D, kPadded, Dv>(varlen, stream);
                 });
           if (!launched) {
             AttentionParams masked = kp;
             const MaskedCopies copies = zero_masked_inputs(masked, p, false, stream);
-            launched = cuda_sm90::launch_dense_forward<T, D, kPadded>(masked, stream);
+            launched = cuda_sm90::launch_dense_forward<T, D, kPadded, Dv>(masked, stream);
           }
         });
     if (launched) return;

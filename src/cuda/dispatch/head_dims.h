@@ -48,21 +48,28 @@ inline bool sm90_dense_forward_head_dims(std::int64_t d, std::int64_t dv) {
   return sm90_exact_head_dims(d, dv) || (m > 64 && m <= kMaxHeadDim);
 }
 
-// fn(T{}, integral_constant<int, W>{}, bool_constant<kPadded>{}) for a (dtype, D, Dv) that
-// sm90_dense_forward_head_dims admits: the exact instance, else the smallest padded width
-// of 128, 192, 256 that is >= max(D, Dv). Keep in step with
+// fn(T{}, integral_constant<int, W>{}, bool_constant<kPadded>{}, integral_constant<int, Wv>{})
+// for a (dtype, D, Dv) that sm90_dense_forward_head_dims admits: the exact instance, else the
+// padded one of width W = Wv = the smallest of 128, 192, 256 that is >= max(D, Dv), except
+// that 128 < D <= 192 with Dv <= 128 takes W = 192, Wv = 128 (a third less P V work than
+// 192 for both; D = 192 / Dv = 128 is a common pair). Keep in step with
 // tools/codegen/gen_sm90_instances.py.
 template <class Fn>
 void dispatch_sm90_dense_forward_head_dims(DType dtype, std::int64_t d, std::int64_t dv,
                                            Fn&& fn) {
+  using I64 = std::integral_constant<int, 64>;
+  using I128 = std::integral_constant<int, 128>;
+  using I192 = std::integral_constant<int, 192>;
+  using I256 = std::integral_constant<int, 256>;
   auto with_width = [&](auto t) {
     using T = decltype(t);
     const std::int64_t m = d > dv ? d : dv;
-    if (d == dv && m == 64) return fn(T{}, std::integral_constant<int, 64>{}, std::false_type{});
-    if (d == dv && m == 128) return fn(T{}, std::integral_constant<int, 128>{}, std::false_type{});
-    if (m <= 128) return fn(T{}, std::integral_constant<int, 128>{}, std::true_type{});
-    if (m <= 192) return fn(T{}, std::integral_constant<int, 192>{}, std::true_type{});
-    return fn(T{}, std::integral_constant<int, 256>{}, std::true_type{});
+    if (d == dv && m == 64) return fn(T{}, I64{}, std::false_type{}, I64{});
+    if (d == dv && m == 128) return fn(T{}, I128{}, std::false_type{}, I128{});
+    if (m <= 128) return fn(T{}, I128{}, std::true_type{}, I128{});
+    if (m <= 192 && dv <= 128) return fn(T{}, I192{}, std::true_type{}, I128{});
+    if (m <= 192) return fn(T{}, I192{}, std::true_type{}, I192{});
+    return fn(T{}, I256{}, std::true_type{}, I256{});
   };
   if (dtype == DType::kBFloat16) with_width(__nv_bfloat16{});
   else with_width(__half{});

@@ -38,7 +38,8 @@ enum class Speculation : std::uint8_t {
 // A CTA holds one producer warpgroup and streams * wg_per_stream consumer warpgroups. A
 // "stream" is a Q tile of 64 * wg_per_stream rows with its own K / V pipeline.
 struct FwdConfig {
-  int head_dim = 128;       // the tile width of q, k, v and out (see padded_head_dim)
+  int head_dim = 128;       // the tile width of q and k, and of v and out unless head_dim_v
+  int head_dim_v = 0;       // the tile width of v and out; 0: head_dim
   int block_n = 128;        // keys per K / V block
   int wg_per_stream = 2;    // consumer warpgroups (64 query rows each) sharing a stream's K / V
   int streams = 1;          // streams per CTA
@@ -84,6 +85,7 @@ struct FwdConfig {
   bool padded_head_dim = false;
 
   constexpr int block_m() const { return 64 * wg_per_stream * streams; }
+  constexpr int width_v() const { return head_dim_v > 0 ? head_dim_v : head_dim; }
 };
 
 // Dense: one 128-row stream of two warpgroups over 128-key blocks, two stages, output by TMA
@@ -173,9 +175,11 @@ constexpr FwdConfig sparse64_combine(int d) {
 // (4 x 32 KiB) leave no room for O's TMA staging (64 KiB), so the threads store O; at 192,
 // Q, the slots and O's staging take 192 KiB. 128-key blocks need 240 KiB at 192 without O.
 // The three-warpgroup tiles (160 registers) cannot hold O above 128.
-constexpr FwdConfig dense_wide(int d) {
-  return {.head_dim = d, .block_n = 64, .wg_per_stream = 2, .streams = 1, .stages_k = 2,
-          .stages_v = 2, .tma_store_o = d <= 192, .padded_head_dim = true};
+// dv: v's and out's width when it is below d (D = 192 / Dv = 128: a third less P V work than
+// the 192 tile; V slots and O's staging shrink with it).
+constexpr FwdConfig dense_wide(int d, int dv = 0) {
+  return {.head_dim = d, .head_dim_v = dv, .block_n = 64, .wg_per_stream = 2, .streams = 1,
+          .stages_k = 2, .stages_v = 2, .tma_store_o = d <= 192, .padded_head_dim = true};
 }
 
 // `c` as a padded instance (FwdConfig::padded_head_dim), or as it is.

@@ -142,7 +142,7 @@ __device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits
                                                     std::int64_t row_limit, int wg, int wg_tid) {
   using namespace cute;
   using Element = typename Traits::Element;
-  constexpr int D = Traits::kHeadDim;
+  constexpr int D = Traits::kHeadDimV;  // out's tile width
   constexpr int kPairs = decltype(size(o))::value / 2;
   static_assert(Traits::kStreams == 1, "named barriers 4 + wg serve one stream");
   static_assert(sizeof(Element) == 2 && kPairs == D / 4, "64 x D 16-bit output per warpgroup");

@@ -18,7 +18,7 @@ struct FwdKernelParams {
   SparseKeyListArgs sparse;
   typename Traits::TmaQ tma_q;
   typename Traits::TmaKV tma_k;
-  typename Traits::TmaKV tma_v;
+  typename Traits::TmaV tma_v;
   // Extents of the TMA views (rows, heads, batch): batched (S, H, B); varlen (T, H, 1).
   int q_rows = 0, kv_rows = 0, tma_batch = 0;
   TileScheduler sched;

@@ -126,7 +126,7 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
   p.tma_v = make_tma_copy(KVOp{},
                           gmem_view<Traits>(a.v, p.kv_rows, a.heads_kv, p.tma_batch, a.v_strides,
                                             a.head_dim_v),
-                          typename Traits::SmemLayoutKVLoad{}, kCluster);
+                          typename Traits::SmemLayoutVLoad{}, kCluster);
   if constexpr (Traits::kTmaStoreO) {
     // The out view meets TMA's rules (the caller checks them: fwd_launch.h).
     p.tma_o = make_tma_copy(
@@ -194,13 +194,15 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
 
 }  // namespace launch_detail
 
-template <class T, int D, bool kPadded>
+template <class T, int D, bool kPadded, int Dv>
 bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
   using launch_detail::WithPadding;
+  static_assert(Dv == D || (kPadded && D > 128), "a width of v's own: dense_wide");
   if constexpr (D > 128) {
     // Above 128 one configuration serves every problem (fwd_config.h, dense_wide); key
     // padding takes its masked visit.
-    using Traits = FwdTraits<launch_detail::CutlassElement<T>, dense_wide(D)>;
+    using Traits =
+        FwdTraits<launch_detail::CutlassElement<T>, dense_wide(D, Dv == D ? 0 : Dv)>;
     if (p.key_mask != nullptr)
       return launch_detail::launch<Traits, DenseVisit<Traits::kBlockN, true>>(
           p, SparseKeyListArgs{}, stream);

@@ -83,13 +83,13 @@ template <class Traits, class Visit>
 __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
                                               typename Traits::StreamStorage& st, int stream) {
   using namespace cute;
-  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockMStream;
+  constexpr int D = Traits::kHeadDim, DV = Traits::kHeadDimV, BM = Traits::kBlockMStream;
   Tensor sQ = make_tensor(make_smem_ptr(st.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(st.k.data()), typename Traits::SmemLayoutK{});
   Tensor sV = make_tensor(make_smem_ptr(st.v.data()), typename Traits::SmemLayoutV{});
   Tensor mQ = p.tma_q.get_tma_tensor(make_shape(p.q_rows, Int<D>{}, p.attn.heads_q, p.tma_batch));
   Tensor mK = p.tma_k.get_tma_tensor(make_shape(p.kv_rows, Int<D>{}, p.attn.heads_kv, p.tma_batch));
-  Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.kv_rows, Int<D>{}, p.attn.heads_kv, p.tma_batch));
+  Tensor mV = p.tma_v.get_tma_tensor(make_shape(p.kv_rows, Int<DV>{}, p.attn.heads_kv, p.tma_batch));
   auto cta_q = p.tma_q.get_slice(_0{});
   // kClusterM > 1: this CTA's share of each K / V block, multicast to the whole cluster.
   auto kv_slice = [](auto const& tma) {
@@ -102,9 +102,11 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
   // One block into slot `slot` of sX: one load, or two half loads (rows kb.start and
   // kb.start_hi of the sequence). kPrefixLoads: a key tile with fewer valid keys than rows
   // loads only its prefix (`prefix_map`: K's or V's 16-row descriptor).
+  // cols: the tensor's tile width (Int<D> for K, Int<DV> for V).
   auto load_block = [&](auto const& tma, auto const& cta, auto const& mX, auto sX_slot,
                         uint64_t* full, const KeyBlock& kb, int k_base, int hk, int tb,
-                        const cute::TmaDescriptor* prefix_map) {
+                        const cute::TmaDescriptor* prefix_map, auto cols) {
+    using Cols = decltype(cols);
     constexpr int R = Traits::kLoadRows;
     CUTE_UNROLL
     for (int h = 0; h < (Traits::kHalfLoads ? 2 : 1); ++h) {
@@ -119,8 +121,8 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
         }
       }
       Tensor gX = local_tile(domain_offset(make_coord(row, _0{}), mX(_, _, hk, tb)),
-                             Shape<Int<R>, Int<D>>{}, make_coord(_0{}, _0{}));
-      Tensor sX = local_tile(sX_slot, Shape<Int<R>, Int<D>>{}, make_coord(h, _0{}));
+                             Shape<Int<R>, Cols>{}, make_coord(_0{}, _0{}));
+      Tensor sX = local_tile(sX_slot, Shape<Int<R>, Cols>{}, make_coord(h, _0{}));
       if constexpr (Traits::kClusterM > 1)
         copy(tma.with(*full, kClusterMask), cta.partition_S(gX), cta.partition_D(sX));
       else
@@ -203,13 +205,13 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
       if (b >= n) b -= n;
       const KeyBlock kb = visit.block(b);
       // The bytes the block's loads complete: a whole slot, or its prefixes (kPrefixLoads).
-      uint32_t kv_bytes = Traits::kKVBytes;
+      uint32_t k_bytes = Traits::kKBytes, v_bytes = Traits::kVBytes;
       if constexpr (Traits::kPrefixLoads) {
         constexpr int R = Traits::kLoadRows;
         if (p.prefix.enabled) {
           int rows = PrefixLoadMaps::rows_of<R>(kb.valid);
           if constexpr (Traits::kHalfLoads) rows += PrefixLoadMaps::rows_of<R>(kb.valid_hi);
-          kv_bytes = rows * D * sizeof(typename Traits::Element);
+          k_bytes = v_bytes = rows * D * sizeof(typename Traits::Element);
         }
       }
       Barrier::wait(&st.k_empty[k_ring.stage], k_ring.phase ^ 1u);
@@ -218,14 +220,14 @@ __device__ __forceinline__ void producer_loop(const FwdKernelParams<Traits>& p,
         st.block_valid[k_ring.stage][0] = kb.valid;
         st.block_valid[k_ring.stage][1] = kb.valid_hi;
       }
-      Barrier::arrive_and_expect_tx(&st.k_full[k_ring.stage], kv_bytes);
+      Barrier::arrive_and_expect_tx(&st.k_full[k_ring.stage], k_bytes);
       load_block(p.tma_k, cta_k, mK, sK(_, _, k_ring.stage), &st.k_full[k_ring.stage], kb,
-                 k_base, hk, tb, prefix_map_k);
+                 k_base, hk, tb, prefix_map_k, Int<D>{});
       k_ring.advance();
       Barrier::wait(&st.v_empty[v_ring.stage], v_ring.phase ^ 1u);
-      Barrier::arrive_and_expect_tx(&st.v_full[v_ring.stage], kv_bytes);
+      Barrier::arrive_and_expect_tx(&st.v_full[v_ring.stage], v_bytes);
       load_block(p.tma_v, cta_v, mV, sV(_, _, v_ring.stage), &st.v_full[v_ring.stage], kb,
-                 k_base, hk, tb, prefix_map_v);
+                 k_base, hk, tb, prefix_map_v, Int<DV>{});
       v_ring.advance();
     }
   }
@@ -279,7 +281,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
                                               int tid) {
   using namespace cute;
   using Element = typename Traits::Element;
-  constexpr int D = Traits::kHeadDim, BM = Traits::kBlockMStream, BN = Traits::kBlockN;
+  constexpr int DV = Traits::kHeadDimV, BM = Traits::kBlockMStream, BN = Traits::kBlockN;
   typename Traits::MmaQK mma_qk;
   typename Traits::MmaPV mma_pv;
   // The thread's warpgroup, warp-uniform to the compiler: the shared-memory descriptors of
@@ -302,13 +304,13 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   auto k_slot = [&](int stage) { return tSrK(_, _, _, warp_uniform(stage)); };
   auto v_slot = [&](int stage) { return tOrV(_, _, _, warp_uniform(stage)); };
   Tensor tSrS = partition_fragment_C(mma_qk, Shape<Int<BM>, Int<BN>>{});
-  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<BM>, Int<D>>{});
+  Tensor tOrO = partition_fragment_C(mma_pv, Shape<Int<BM>, Int<DV>>{});
   // P as the A operand of the RS product: value order of the accumulator, k-blocks of 16.
   using PLayout = Layout<Shape<Shape<_2, _2, _2>, _1, Int<BN / 16>>>;
   Tensor tOrP = make_tensor<Element>(PLayout{});
   static_assert(decltype(size(tSrS))::value == decltype(size(tOrP))::value);
   Tensor tScS = thr_qk.partition_C(make_identity_tensor(Shape<Int<BM>, Int<BN>>{}));
-  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<BM>, Int<D>>{}));
+  Tensor tOcO = thr_pv.partition_C(make_identity_tensor(Shape<Int<BM>, Int<DV>>{}));
   Tensor tOrP32 = recast<uint32_t>(tOrP);
   // kAltP (the speculating two-warpgroup kernels): a second P operand. Key blocks alternate
   // between the two, so that a block's speculated P is written straight into the operand its

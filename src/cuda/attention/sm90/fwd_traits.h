@@ -28,7 +28,8 @@ template <class Element_, FwdConfig kConfig_>
 struct FwdTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
   static constexpr FwdConfig kConfig = kConfig_;
-  static constexpr int kHeadDim = kConfig.head_dim;
+  static constexpr int kHeadDim = kConfig.head_dim;   // q, k
+  static constexpr int kHeadDimV = kConfig.width_v();  // v, out
   static constexpr int kBlockN = kConfig.block_n;
   static constexpr int kWGPerStream = kConfig.wg_per_stream;
   static constexpr int kStreams = kConfig.streams;
@@ -59,6 +60,8 @@ struct FwdTraits {
   static_assert(!kPaddedHeadDim || (!kPrefixLoads && !kFusedCombine),
                 "padded widths: the dense kernels (the prefix loads' descriptors and the "
                 "combination assume D = Dv = the width)");
+  static_assert(kHeadDimV == kHeadDim || (kPaddedHeadDim && kClusterM == 1 && !kHalfLoads),
+                "a width of v's own: the dense single-CTA kernels of padded widths");
   static_assert(!kOneBlock || (kWGPerStream == 3 && kStagesK == 1 && kStagesV == 1),
                 "one block per tile: the three-warpgroup tile with one K and one V slot");
   static_assert(!kSplitTail || (kWGPerStream == 3 && kStreams == 1 && !kStreamItems &&
@@ -114,13 +117,13 @@ struct FwdTraits {
       cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStagesK>>{}));
   using SmemLayoutV = decltype(cute::tile_to_shape(
       SmemAtom{},
-      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDim>, cute::Int<kStagesV>>{}));
+      cute::Shape<cute::Int<kBlockN>, cute::Int<kHeadDimV>, cute::Int<kStagesV>>{}));
   // V seen as the B operand of O = P V: (head dim, keys), head dim contiguous (MN-major).
   // A view of the same bytes, not a second copy.
   using SmemLayoutVt = decltype(cute::composition(
       SmemLayoutV{},
       cute::make_ordered_layout(
-          cute::Shape<cute::Int<kHeadDim>, cute::Int<kBlockN>, cute::Int<kStagesV>>{},
+          cute::Shape<cute::Int<kHeadDimV>, cute::Int<kBlockN>, cute::Int<kStagesV>>{},
           cute::Step<cute::_2, cute::_1, cute::_3>{})));
 
   // S = Q K^T from shared memory (SS); O += P V with P from registers (RS). One 64-row atom
@@ -133,7 +136,7 @@ struct FwdTraits {
       WGLayout{}));
   using MmaPV = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Element, Element, float,
-                                 cute::Shape<cute::Int<kBlockMStream>, cute::Int<kHeadDim>,
+                                 cute::Shape<cute::Int<kBlockMStream>, cute::Int<kHeadDimV>,
                                              cute::Int<kBlockN>>,
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>(),
       WGLayout{}));
@@ -158,6 +161,13 @@ struct FwdTraits {
                                      cute::SM90_TMA_LOAD_MULTICAST>;
   using TmaKV = decltype(cute::make_tma_copy(TmaKVOp{}, GmemTensor{}, SmemLayoutKVLoad{},
                                              cute::Int<kClusterM>{}));
+  // V's load, of its own width (the same type as K's when kHeadDimV == kHeadDim).
+  using SmemLayoutVLoad = decltype(cute::composition(
+      cute::take<0, 2>(SmemLayoutV{}),
+      cute::Layout<cute::Shape<cute::Int<kLoadRows>, cute::Int<kHeadDimV>>,
+                   cute::Stride<cute::_1, cute::Int<kBlockN>>>{}));
+  using TmaV = decltype(cute::make_tma_copy(TmaKVOp{}, GmemTensor{}, SmemLayoutVLoad{},
+                                            cute::Int<kClusterM>{}));
   // kSplitTail: a 64-row piece of Q loaded into each warpgroup's 64-row slice of the Q slot
   // (the slices' 64-column chunks lie kBlockMStream * 64 elements apart).
   using SmemLayoutQPiece = decltype(cute::composition(
@@ -173,7 +183,7 @@ struct FwdTraits {
                 SmemLayoutK{}(cute::make_coord(0, 64, 0)) == kBlockN * 64);
   // O staged for the TMA store: one 64-row slot per warpgroup of the stream.
   using SmemLayoutO = decltype(cute::tile_to_shape(
-      SmemAtom{}, cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kWGPerStream>>{}));
+      SmemAtom{}, cute::Shape<cute::_64, cute::Int<kHeadDimV>, cute::Int<kWGPerStream>>{}));
   // 128-byte swizzle of byte addresses (bits 4-6 ^= bits 7-9); before it, 64 elements per
   // row, the 64-column blocks 64 x 64 apart, the warpgroups' slots 64 x D apart. The
   // epilogue's stmatrix addresses (fwd_output_stsm.h) rely on it.
@@ -182,20 +192,21 @@ struct FwdTraits {
   static_assert(SmemLayoutO{}.layout_b()(cute::make_coord(1, 0, 0)) == 64 &&
                 SmemLayoutO{}.layout_b()(cute::make_coord(8, 0, 0)) == 8 * 64 &&
                 SmemLayoutO{}.layout_b()(cute::make_coord(0, 1, 0)) == 1 &&
-                SmemLayoutO{}.layout_b()(cute::make_coord(0, kHeadDim - 1, 0)) ==
-                    (kHeadDim - 1) / 64 * 64 * 64 + (kHeadDim - 1) % 64 &&
+                SmemLayoutO{}.layout_b()(cute::make_coord(0, kHeadDimV - 1, 0)) ==
+                    (kHeadDimV - 1) / 64 * 64 * 64 + (kHeadDimV - 1) % 64 &&
                 SmemLayoutO{}.layout_b()(cute::make_coord(0, 0, kWGPerStream - 1)) ==
-                    (kWGPerStream - 1) * 64 * kHeadDim);
+                    (kWGPerStream - 1) * 64 * kHeadDimV);
   using SmemLayoutOStore = decltype(cute::take<0, 2>(SmemLayoutO{}));
   using TmaO = decltype(cute::make_tma_copy(cute::SM90_TMA_STORE{}, GmemTensor{},
                                             SmemLayoutOStore{}));
   // The copy atom from the accumulator's layout (one warpgroup's) into shared memory.
   using MmaPVOneWG = decltype(cute::make_tiled_mma(
       cute::GMMA::rs_op_selector<Element, Element, float,
-                                 cute::Shape<cute::_64, cute::Int<kHeadDim>, cute::Int<kBlockN>>,
+                                 cute::Shape<cute::_64, cute::Int<kHeadDimV>, cute::Int<kBlockN>>,
                                  cute::GMMA::Major::K, cute::GMMA::Major::MN>()));
   static constexpr uint32_t kQBytes = kBlockMStream * kHeadDim * sizeof(Element);
-  static constexpr uint32_t kKVBytes = kBlockN * kHeadDim * sizeof(Element);  // per slot
+  static constexpr uint32_t kKBytes = kBlockN * kHeadDim * sizeof(Element);  // per slot
+  static constexpr uint32_t kVBytes = kBlockN * kHeadDimV * sizeof(Element);
 
   // One stream's tiles and barriers. 1024-byte alignment: the swizzle pattern repeats every
   // 1024 bytes and TMA and wgmma must agree on where it starts.

@@ -4,7 +4,7 @@
 #include "cuda/attention/sm90/fwd_launch_impl.h"
 
 namespace vidattn::cuda_sm90 {
-template bool launch_dense_forward<__nv_bfloat16, 192, true>(const AttentionParams&,
-                                                        cudaStream_t);
+template bool launch_dense_forward<__nv_bfloat16, 192, true, 192>(const AttentionParams&,
+                                                            cudaStream_t);
 }  // namespace vidattn::cuda_sm90
 #endif
