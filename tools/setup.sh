@@ -31,5 +31,12 @@ fi
 
 echo "setup: building vidattn into .venv"
 # VIDATTN_TESTING: the test-only hooks the test suites query (a plain pip install leaves them out).
-.venv/bin/python -m pip install -q --no-build-isolation --no-deps -C cmake.define.VIDATTN_TESTING=ON .
+defines=(-C cmake.define.VIDATTN_TESTING=ON)
+# VIDATTN_CUDA_TARGETS (e.g. "90a"), when set, narrows the GPU targets compiled (CMake's default:
+# "80;90a"); .ci/run sets it to keep the CUDA build within CI's time.
+if [ -n "${VIDATTN_CUDA_TARGETS:-}" ]; then
+  echo "setup: CUDA targets ${VIDATTN_CUDA_TARGETS} (VIDATTN_CUDA_TARGETS)"
+  defines+=(-C "cmake.define.VIDATTN_CUDA_TARGETS=${VIDATTN_CUDA_TARGETS}")
+fi
+.venv/bin/python -m pip install -q --no-build-isolation --no-deps "${defines[@]}" .
 .venv/bin/python -c 'import vidattn; print("setup: vidattn", vidattn.__version__, "ready in .venv")'

@@ -112,7 +112,7 @@ def _check_batched(q, k, v, grad_out, **kwargs):
     assert lse.shape == (q.shape[0], q.shape[2], q.shape[1])
     reference = run(reference_attention, f64)
     baseline = None if dtype == f64 else run(reference_attention, dtype)
-    floors = flash_backward_floors(q, k, v, reference[0], grad_out, **kwargs)
+    floors = flash_backward_floors(q, k, v, grad_out, **kwargs)
     _check_against_reference(dtype, kernel, reference, baseline, floors)
 
 
@@ -196,8 +196,8 @@ def test_attention_varlen_matches_reference(dtype, q_lens, k_lens, heads_q, head
 
     reference = run(ref, f64)
     baseline = None if dtype == f64 else run(ref, dtype)
-    floors = flash_backward_floors_varlen(q, k, v, reference[0], grad_out, cu_q, cu_k,
-                                          scale=scale, causal=causal)
+    floors = flash_backward_floors_varlen(q, k, v, grad_out, cu_q, cu_k, scale=scale,
+                                          causal=causal)
     _check_against_reference(dtype, kernel, reference, baseline, floors)
 
 

@@ -216,6 +216,51 @@ def cu(lengths):
     return torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=DEV)
 
 
+def check_varlen(q, k, v, lq, lk, out, *, causal, lse=None, grads=None, gout=None):
+    """A packed call (sequence lengths lq of the queries, lk of the keys) sequence by sequence
+    against the batched reference, by the rule: out, lse when given, and the gradients `grads`
+    (dq, dk, dv of gout) when given. A sequence without keys must output exactly 0 (and LSE
+    -inf), one without queries give its keys exactly zero dK and dV."""
+    dtype = q.dtype
+    sc = 1.0 / math.sqrt(q.shape[-1])
+    for t in (out, *(grads or ())):
+        assert torch.isfinite(t).all()
+    oq = ok = 0
+    for a, b in zip(lq, lk):
+        sl_q, sl_k = slice(oq, oq + a), slice(ok, ok + b)
+        oq, ok = oq + a, ok + b
+        name = f"sequence ({a}, {b}), causal={causal}"
+        parts = [t[s][None] for t, s in ((q, sl_q), (k, sl_k), (v, sl_k))]
+        p64 = [t.double().requires_grad_(grads is not None) for t in parts]
+        pl = [t.clone().requires_grad_(grads is not None) for t in parts]
+        r, rl = reference(*p64, sc, causal)
+        lo, ll = reference(*pl, sc, causal)
+        check_rule(f"{name} out", out[sl_q][None].detach(), r.detach(), lo.detach(), dtype)
+        if lse is not None:
+            check_rule(f"{name} lse", lse[:, sl_q][None], rl.detach(), ll.detach(), dtype)
+        if b == 0:
+            assert (out[sl_q] == 0).all(), f"{name}: output of a sequence without keys"
+            if lse is not None:
+                assert (lse[:, sl_q] == float("-inf")).all(), f"{name}: LSE without keys"
+        if grads is None:
+            continue
+        dq, dk, dv = grads
+        got = (dq[sl_q][None], dk[sl_k][None], dv[sl_k][None])
+        if a == 0:  # keys nobody looks at take no gradient
+            assert (got[1] == 0).all() and (got[2] == 0).all(), f"{name}: dK / dV"
+            continue
+        go = gout[sl_q][None]
+        d64 = torch.autograd.grad(r, p64, go.double(), allow_unused=True)
+        dl = torch.autograd.grad(lo, pl, go, allow_unused=True)
+        terms = grad_term_sizes(*parts, go, sc)
+        for gname, gt, rr, l, f, t in zip(("dq", "dk", "dv"), got, d64, dl, (3.0, 2.0, 2.0),
+                                          terms):
+            if rr is None:  # an empty side
+                assert gt.numel() == 0 or (gt == 0).all(), f"{name} {gname}"
+                continue
+            check_rule(f"{name} {gname}", gt, rr, l, dtype, f, t)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=["bf16", "fp16"])
 @pytest.mark.parametrize("D", [64, 128])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -233,33 +278,8 @@ def test_varlen_matches_per_sequence_reference(dtype, D, causal):
     out, lse = vidattn.attention_varlen(*qk, cu(lq), cu(lk), max(lq), max(lk), causal=causal,
                                         return_lse=True)
     assert lse.shape == (Hq, sum(lq))
-    dq, dk, dv = torch.autograd.grad(out, qk, gout)
-    for t in (out, dq, dk, dv):
-        assert torch.isfinite(t).all()
-    sc = 1.0 / math.sqrt(D)
-    oq = ok = 0
-    for a, b in zip(lq, lk):
-        sl_q, sl_k = slice(oq, oq + a), slice(ok, ok + b)
-        oq, ok = oq + a, ok + b
-        parts = [t[s][None] for t, s in ((q, sl_q), (k, sl_k), (v, sl_k))]
-        p64 = [t.double().requires_grad_() for t in parts]
-        pl = [t.clone().requires_grad_() for t in parts]
-        r, rl = reference(*p64, sc, causal)
-        lo, ll = reference(*pl, sc, causal)
-        check_rule("out", out[sl_q][None].detach(), r.detach(), lo.detach(), dtype)
-        check_rule("lse", lse[:, sl_q][None], rl.detach(), ll.detach(), dtype)
-        if a == 0:
-            continue
-        go = gout[sl_q][None]
-        d64 = torch.autograd.grad(r, p64, go.double(), allow_unused=True)
-        dl = torch.autograd.grad(lo, pl, go, allow_unused=True)
-        got = (dq[sl_q][None], dk[sl_k][None], dv[sl_k][None])
-        terms = grad_term_sizes(*parts, go, sc)
-        for name, gt, rr, l, f, t in zip(("dq", "dk", "dv"), got, d64, dl, (3.0, 2.0, 2.0),
-                                         terms):
-            check_rule(name, gt, rr, l, dtype, f, t)
-        if b == 0:
-            assert (out[sl_q] == 0).all() and (lse[:, sl_q] == float("-inf")).all()
+    grads = torch.autograd.grad(out, qk, gout)
+    check_varlen(q, k, v, lq, lk, out, causal=causal, lse=lse, grads=grads, gout=gout)
 
 
 # ---- empty inputs, errors -----------------------------------------------------------------

@@ -5,7 +5,6 @@ here add what the generic CUDA tests don't reach: many key blocks, more tiles th
 persistent schedule), strided packed views. Skipped on other GPUs."""
 from __future__ import annotations
 
-import math
 import os
 import random
 import subprocess
@@ -17,7 +16,7 @@ import torch
 
 import vidattn
 from cuda_poison import poison_allocator
-from test_attention_cuda import check_rule, cu, gen, randn, reference, run_and_check
+from test_attention_cuda import check_varlen, cu, gen, randn, run_and_check
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -511,7 +510,6 @@ def test_sm90_varlen(lq, lk, D, Hq, input_scale):
     q = randn((sum(lq), Hq, D), torch.bfloat16, g, input_scale)
     k = randn((sum(lk), Hkv, D), torch.bfloat16, g, input_scale)
     v = randn((sum(lk), Hkv, D), torch.bfloat16, g)
-    sc = 1.0 / math.sqrt(D)
     for causal in (False, True):
         before = launches()
         poison_allocator(q.numel() * 8 + (1 << 20))
@@ -519,20 +517,9 @@ def test_sm90_varlen(lq, lk, D, Hq, input_scale):
                                             causal=causal, return_lse=True)
         torch.cuda.synchronize()
         assert launches() > before
-        # Each sequence by the rule of docs/conventions.md (as every other test here): against float64,
-        # within twice the error of the same attention in bf16 with PyTorch ops, plus a
-        # quarter ulp; check_rule also requires the reference's pattern of non-finite values
-        # (LSE -inf for rows that see no key) and finite outputs everywhere else.
-        oq = ok = 0
-        for a, b in zip(lq, lk):
-            pq = q[oq:oq + a][None]
-            pk, pv = k[ok:ok + b][None], v[ok:ok + b][None]
-            ref, ref_lse = reference(pq.double(), pk.double(), pv.double(), sc, causal)
-            low, low_lse = reference(pq, pk, pv, sc, causal)
-            name = f"varlen sequence ({a}, {b}), causal={causal}"
-            check_rule(f"{name} out", out[oq:oq + a][None], ref, low, torch.bfloat16)
-            check_rule(f"{name} lse", lse[:, oq:oq + a][None], ref_lse, low_lse, torch.bfloat16)
-            oq, ok = oq + a, ok + b
+        # Each sequence by the rule of docs/conventions.md (as every other test here), with
+        # the reference's pattern of non-finite values (LSE -inf for rows that see no key).
+        check_varlen(q, k, v, lq, lk, out, causal=causal, lse=lse)
 
 
 def test_disable_env_keeps_the_portable_path():

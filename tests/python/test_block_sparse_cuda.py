@@ -56,19 +56,27 @@ def reference_lse(q, k, idx, cnt, V, q_sizes, kv_sizes, scale):
     return lse.reshape(B, Hq, Sq)
 
 
-def assert_forward_follows_rule(out, lse, q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale,
-                                dtype):
-    """The output and LSE of a block-sparse forward against the float64 reference, the rule;
-    LSE: the reference's -inf rows (no key) exactly, the rule on the others."""
-    r64 = ref.block_sparse(q.double(), k.double(), v.double(), idx, cnt, V, q_sizes, kv_sizes,
-                           scale)
-    rlp = ref.block_sparse(q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale)
-    assert_2x("out", out.cpu(), r64, rlp, dtype)
+def assert_follows_rule(out, lse, q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale, dtype,
+                        dout=None, grads=None):
+    """The output and LSE of a block-sparse call, and with dout the gradients `grads` (dq, dk,
+    dv of dout; 3x for dQ), against the float64 reference by the rule; LSE: the reference's
+    -inf rows (no key) exactly, the rule on the others. Returns those rows, [B, Sq, Hq]."""
+    def run_ref(dt):
+        x = [t.to(dt).detach().requires_grad_(dout is not None) for t in (q, k, v)]
+        o = ref.block_sparse(*x, idx, cnt, V, q_sizes, kv_sizes, scale)
+        return (o,) if dout is None else (o, *torch.autograd.grad(o, x, dout.to(dt)))
+
+    got = (out,) if dout is None else (out, *grads)
+    for name, g, a, b, f in zip(("out", "dq", "dk", "dv"), got, run_ref(torch.float64),
+                                run_ref(dtype), (2, 3, 2, 2)):
+        assert g.shape == a.shape, name
+        assert_2x(name, g.detach().cpu(), a.detach(), b.detach(), dtype, f)
     l64 = reference_lse(q.double(), k.double(), idx, cnt, V, q_sizes, kv_sizes, scale)
     llp = reference_lse(q, k, idx, cnt, V, q_sizes, kv_sizes, scale)
     dead = torch.isneginf(l64)
-    assert torch.equal(torch.isneginf(lse.cpu()), dead)
+    assert torch.equal(torch.isneginf(lse.cpu()), dead), "LSE: -inf rows differ from the reference"
     assert_2x("lse", lse.cpu()[~dead], l64[~dead], llp[~dead], dtype)
+    return dead.permute(0, 2, 1)
 
 
 def make_case(dtype, V, B, Hq, Hkv, D, Qt, Kt, max_k, input_scale, seed):
@@ -122,25 +130,9 @@ def test_block_sparse_cuda_matches_float64_reference(case, deterministic=True):
     dout = randn(out.shape, seed + 4, dtype)
     poison_allocator(q.numel() * 8 + (1 << 20))
     grads = torch.autograd.grad(out, (qc, kc, vc), dout.to(DEV))
-
-    def run_ref(dt):
-        qq, kk, vv = (x.to(dt).requires_grad_() for x in (q, k, v))
-        o = ref.block_sparse(qq, kk, vv, idx, cnt, V, q_sizes, kv_sizes, scale)
-        return (o, *torch.autograd.grad(o, (qq, kk, vv), dout.to(dt)))
-
-    r64, rlp = run_ref(torch.float64), run_ref(dtype)
-    for name, got, a, b, f in zip(("out", "dq", "dk", "dv"), (out, *grads), r64, rlp, (2, 3, 2, 2)):
-        assert_2x(name, got.detach().cpu(), a.detach(), b.detach(), dtype, f)
-
-    # LSE: the same dead pattern (-inf) as the reference, the rule on the live rows.
-    l64 = reference_lse(q.double(), k.double(), idx, cnt, V, q_sizes, kv_sizes, scale)
-    llp = reference_lse(q, k, idx, cnt, V, q_sizes, kv_sizes, scale)
-    got = lse.cpu()
-    dead = torch.isneginf(l64)
-    assert torch.equal(torch.isneginf(got), dead), "LSE: -inf rows differ from the reference"
-    assert_2x("lse", got[~dead], l64[~dead], llp[~dead], dtype)
+    dead_rows = assert_follows_rule(out, lse, q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale,
+                                    dtype, dout, grads)
     # Dead rows (padding, count 0, only empty key tiles): zero output and zero dQ.
-    dead_rows = dead.permute(0, 2, 1)  # [B, Sq, Hq]
     assert (out.detach().cpu()[dead_rows] == 0).all()
     assert (grads[0].cpu()[dead_rows] == 0).all()
     # Key tiles nobody selected (or of size 0) and padded key slots: exactly zero dK, dV.
@@ -178,7 +170,7 @@ def test_some_warps_redo_their_blocks(V, D):
     poison_allocator(q.numel() * 8 + (1 << 20))
     out, lse = vidattn.block_sparse_attention(q.to(DEV), k.to(DEV), v.to(DEV), idx.to(DEV),
                                               cnt.to(DEV), tile_volume=V, return_lse=True)
-    assert_forward_follows_rule(out, lse, q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale, dtype)
+    assert_follows_rule(out, lse, q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale, dtype)
 
 
 def test_padding_content_is_never_read():
@@ -254,7 +246,7 @@ def test_every_key_tile_length_matches_float64_reference(dtype, D, V):
     out, lse = vidattn.block_sparse_attention(
         q.to(DEV), kvc[:, :, 0], kvc[:, :, 1], idx.to(DEV), cnt.to(DEV), tile_volume=V,
         q_block_sizes=q_sizes.to(DEV), kv_block_sizes=kv_sizes.to(DEV), return_lse=True)
-    assert_forward_follows_rule(out, lse, q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale, dtype)
+    assert_follows_rule(out, lse, q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale, dtype)
 
 
 def test_backward_is_bit_identical_over_50_runs():
@@ -295,15 +287,7 @@ def test_many_query_tiles_with_rotated_walks_match_float64_reference():
     out, lse = vidattn.block_sparse_attention(
         q.to(DEV), k.to(DEV), v.to(DEV), idx.to(DEV), cnt.to(DEV), tile_volume=V,
         q_block_sizes=q_sizes.to(DEV), kv_block_sizes=kv_sizes.to(DEV), return_lse=True)
-    r64 = ref.block_sparse(q.double(), k.double(), v.double(), idx, cnt, V, q_sizes, kv_sizes,
-                           scale)
-    rlp = ref.block_sparse(q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale)
-    assert_2x("out", out.cpu(), r64, rlp, dtype, 2)
-    l64 = reference_lse(q.double(), k.double(), idx, cnt, V, q_sizes, kv_sizes, scale)
-    llp = reference_lse(q, k, idx, cnt, V, q_sizes, kv_sizes, scale)
-    dead = torch.isneginf(l64)
-    assert torch.equal(torch.isneginf(lse.cpu()), dead), "LSE: -inf rows differ"
-    assert_2x("lse", lse.cpu()[~dead], l64[~dead], llp[~dead], dtype)
+    assert_follows_rule(out, lse, q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale, dtype)
 
 
 @pytest.mark.parametrize("V", [64, 128])

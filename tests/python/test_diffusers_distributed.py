@@ -4,20 +4,14 @@ and the ranks' gradients, summed over the group, the single-process gradients, i
 VSA mode, on a grid whose 175 tokens do not split evenly (the last rank's part is padded)."""
 from __future__ import annotations
 
-import datetime
-import os
-import tempfile
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 pytest.importorskip("diffusers")
 
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a hung collective fails the workers
-JOIN_TIMEOUT_S = 240  # and a hung process fails the test
+from spawned_group import assert_task, run_tasks  # noqa: E402
+
 WORLD = 2
 
 
@@ -116,66 +110,19 @@ TASKS = {
 }
 
 
-def _worker(rank, world, tmp, tasks):
-    """Runs the tasks in order and records, per task, None or the failure's traceback."""
-    import json
-    import traceback
-
-    torch.set_num_threads(1)  # the processes share the machine's cores
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}",
-                            rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
-    results = {}
-    try:
-        for task in tasks:
-            try:
-                TASKS[task](rank, world)
-                results[task] = None
-            except Exception:  # noqa: BLE001 - reported by the test of this task
-                results[task] = traceback.format_exc()
-            with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
-                json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
-
-
 @pytest.fixture(scope="module")
 def two_processes():
-    """One group of 2 processes runs every task (one start-up for all checks); returns
-    {task: [traceback or None per rank]}."""
-    import json
-
-    with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(_worker, args=(WORLD, tmp, list(TASKS)), nprocs=WORLD,
-                                     join=False, start_method="spawn")
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        while not context.join(timeout=2):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.terminate()
-                pytest.fail(f"{WORLD} processes did not finish in {JOIN_TIMEOUT_S} s")
-        results = {}
-        for rank in range(WORLD):
-            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-                for task, error in json.load(f).items():
-                    results.setdefault(task, []).append(error)
-        return results
-
-
-def _assert_task(results, task):
-    errors = results.get(task)
-    assert errors is not None, f"task {task} did not run"
-    failed = [f"rank {rank}:\n{error}" for rank, error in enumerate(errors) if error]
-    assert not failed, "\n".join(failed)
+    """One group of 2 processes runs every task; {task: [traceback or None per rank]}."""
+    return run_tasks(__name__, WORLD, list(TASKS))
 
 
 def test_sharded_dense_model_matches_one_process(two_processes):
-    _assert_task(two_processes, "dense")
+    assert_task(two_processes, "dense")
 
 
 def test_sharded_vsa_model_matches_one_process(two_processes):
-    _assert_task(two_processes, "vsa")
+    assert_task(two_processes, "vsa")
 
 
 def test_sharded_model_bad_inputs(two_processes):
-    _assert_task(two_processes, "bad_inputs")
+    assert_task(two_processes, "bad_inputs")

@@ -4,21 +4,16 @@ attention (with and without replicated tokens, padding, RoPE, grouped heads) and
 layer compiles with fullgraph=True, zero graph breaks, matching eager, under gloo."""
 from __future__ import annotations
 
-import datetime
 import os
-import tempfile
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import vidattn
+from spawned_group import assert_task, run_tasks
 
 HAVE_VSA = hasattr(vidattn, "video_sparse_attention")
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # a hung collective fails the workers
-JOIN_TIMEOUT_S = 240  # and a hung process fails the test
 
 
 # ---- the single-process reference (no collective, no DistributedAttention code) -----------
@@ -360,125 +355,75 @@ TASKS = {
 }
 
 
-def _worker(rank, world, tmp, tasks, backend):
-    """Runs the tasks in order and records, per task, None or the failure's traceback."""
-    import json
-    import traceback
-    torch.set_num_threads(1)  # several processes share the machine's cores
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"file://{os.path.join(tmp, 'store')}",
-                            rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
-    results = {}
-    try:
-        for task in tasks:
-            try:
-                TASKS[task](rank, world)
-                results[task] = None
-            except Exception:  # noqa: BLE001 - reported by the test of this task
-                results[task] = traceback.format_exc()
-            with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
-                json.dump(results, f)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(world, tasks, backend="gloo"):
-    """One group of `world` processes runs all `tasks` (one start-up for many checks);
-    returns {task: [traceback or None per rank]}."""
-    import json
-    with tempfile.TemporaryDirectory() as tmp:
-        context = mp.start_processes(_worker, args=(world, tmp, tasks, backend), nprocs=world,
-                                     join=False, start_method="spawn")
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        while not context.join(timeout=2):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    if process.is_alive():
-                        process.terminate()
-                pytest.fail(f"{world} processes did not finish {tasks} in {JOIN_TIMEOUT_S} s")
-        results = {}
-        for rank in range(world):
-            with open(os.path.join(tmp, f"rank{rank}.json")) as f:
-                for task, error in json.load(f).items():
-                    results.setdefault(task, []).append(error)
-        return results
-
-
 @pytest.fixture(scope="module")
 def two_processes():
-    return _spawn(2, ["parity", "heads_not_divisible", "compile"]
-                  + (["vsa", "vsa_bf16", "vsa_chunks", "compile_vsa"] if HAVE_VSA else []))
+    return run_tasks(__name__, 2, ["parity", "heads_not_divisible", "compile"]
+                     + (["vsa", "vsa_bf16", "vsa_chunks", "compile_vsa"] if HAVE_VSA else []))
 
 
 @pytest.fixture(scope="module")
 def four_processes():
-    return _spawn(4, ["parity", "heads_not_divisible", "subgroup"] + (["vsa"] if HAVE_VSA else []))
+    return run_tasks(__name__, 4,
+                     ["parity", "heads_not_divisible", "subgroup"] + (["vsa"] if HAVE_VSA else []))
 
 
 @pytest.fixture(scope="module")
 def two_gpus():
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA devices")
-    return _spawn(2, ["parity_cuda"] + (["vsa_cuda"] if HAVE_VSA else []), backend="nccl")
-
-
-def _assert_task(results, task):
-    errors = results.get(task)
-    assert errors is not None, f"task {task} did not run"
-    failed = [f"rank {rank}:\n{error}" for rank, error in enumerate(errors) if error]
-    assert not failed, "\n".join(failed)
+    return run_tasks(__name__, 2, ["parity_cuda"] + (["vsa_cuda"] if HAVE_VSA else []),
+                     backend="nccl")
 
 
 # ---- tests ------------------------------------------------------------------------------
 
 def test_parity_two_processes(two_processes):
-    _assert_task(two_processes, "parity")
+    assert_task(two_processes, "parity")
 
 
 def test_parity_four_processes(four_processes):
-    _assert_task(four_processes, "parity")
+    assert_task(four_processes, "parity")
 
 
 @pytest.mark.skipif(not HAVE_VSA, reason="this build has no vidattn.video_sparse_attention")
 def test_vsa_parity_two_processes(two_processes):
-    _assert_task(two_processes, "vsa")
+    assert_task(two_processes, "vsa")
 
 
 @pytest.mark.skipif(not HAVE_VSA, reason="this build has no vidattn.video_sparse_attention")
 def test_vsa_parity_bfloat16_two_processes(two_processes):
-    _assert_task(two_processes, "vsa_bf16")
+    assert_task(two_processes, "vsa_bf16")
 
 
 @pytest.mark.skipif(not HAVE_VSA, reason="this build has no vidattn.video_sparse_attention")
 def test_vsa_head_chunk_pipeline_changes_nothing(two_processes):
-    _assert_task(two_processes, "vsa_chunks")
+    assert_task(two_processes, "vsa_chunks")
 
 
 @pytest.mark.skipif(not HAVE_VSA, reason="this build has no vidattn.video_sparse_attention")
 def test_vsa_parity_four_processes(four_processes):
-    _assert_task(four_processes, "vsa")
+    assert_task(four_processes, "vsa")
 
 
 def test_parity_two_gpus_nccl(two_gpus):
     """The same parity with NCCL on two GPUs (bf16, the CUDA kernels' dtypes)."""
-    _assert_task(two_gpus, "parity_cuda")
+    assert_task(two_gpus, "parity_cuda")
 
 
 @pytest.mark.skipif(not HAVE_VSA, reason="this build has no vidattn.video_sparse_attention")
 def test_vsa_parity_two_gpus_nccl(two_gpus):
     """VSA (CUDA tiling, coarse stage, block-sparse, combine) sharded over two GPUs equals the
     single-GPU result."""
-    _assert_task(two_gpus, "vsa_cuda")
+    assert_task(two_gpus, "vsa_cuda")
 
 
 def test_parity_on_a_subgroup(four_processes):
-    _assert_task(four_processes, "subgroup")
+    assert_task(four_processes, "subgroup")
 
 
 def test_heads_not_divisible_raise(two_processes, four_processes):
-    _assert_task(two_processes, "heads_not_divisible")
-    _assert_task(four_processes, "heads_not_divisible")
+    assert_task(two_processes, "heads_not_divisible")
+    assert_task(four_processes, "heads_not_divisible")
 
 
 def test_compile_fullgraph_under_gloo(two_processes):
@@ -486,12 +431,12 @@ def test_compile_fullgraph_under_gloo(two_processes):
     backend is aot_eager by default (Dynamo + AOTAutograd: the collectives and vidattn ops
     traced into one forward and one backward graph); VIDATTN_TEST_COMPILE_BACKEND=inductor
     also runs Inductor's CPU codegen (minutes on a 2-core machine)."""
-    _assert_task(two_processes, "compile")
+    assert_task(two_processes, "compile")
 
 
 @pytest.mark.skipif(not HAVE_VSA, reason="this build has no vidattn.video_sparse_attention")
 def test_compile_fullgraph_vsa_under_gloo(two_processes):
-    _assert_task(two_processes, "compile_vsa")
+    assert_task(two_processes, "compile_vsa")
 
 
 def test_world_size_one_is_plain_attention():

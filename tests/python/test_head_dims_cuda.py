@@ -9,7 +9,6 @@ portable kernels. Skipped without a GPU.
 """
 from __future__ import annotations
 
-import math
 import zlib
 
 import pytest
@@ -18,9 +17,8 @@ import torch
 import vidattn
 import vsa_reference as vref
 from cuda_poison import poison_allocator
-from test_attention_cuda import (check_rule, cu, gen, grad_term_sizes, randn, reference,
-                                 run_and_check)
-from test_block_sparse_cuda import make_case, reference_lse
+from test_attention_cuda import check_varlen, cu, gen, randn, run_and_check
+from test_block_sparse_cuda import assert_follows_rule, make_case
 from test_vsa import assert_2x
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -94,30 +92,7 @@ def test_varlen_at_head_dims(dims):
     assert out.shape == (sum(lq), Hq, Dv) and lse.shape == (Hq, sum(lq))
     dq, dk, dv = torch.autograd.grad(out, leaves, gout)
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
-    for t in (out, dq, dk, dv):
-        assert torch.isfinite(t).all()
-    sc = 1.0 / math.sqrt(D)
-    oq = ok = 0
-    for a, b in zip(lq, lk):
-        sl_q, sl_k = slice(oq, oq + a), slice(ok, ok + b)
-        oq, ok = oq + a, ok + b
-        parts = [t[s][None] for t, s in ((q, sl_q), (k, sl_k), (v, sl_k))]
-        p64 = [t.double().requires_grad_() for t in parts]
-        pl = [t.clone().requires_grad_() for t in parts]
-        r, rl = reference(*p64, sc, True)
-        lo, ll = reference(*pl, sc, True)
-        check_rule("out", out[sl_q][None].detach(), r.detach(), lo.detach(), dtype)
-        check_rule("lse", lse[:, sl_q][None], rl.detach(), ll.detach(), dtype)
-        if a == 0:
-            continue
-        go = gout[sl_q][None]
-        d64 = torch.autograd.grad(r, p64, go.double(), allow_unused=True)
-        dl = torch.autograd.grad(lo, pl, go, allow_unused=True)
-        got = (dq[sl_q][None], dk[sl_k][None], dv[sl_k][None])
-        terms = grad_term_sizes(*parts, go, sc)
-        for name, gt, rr, l, f, t in zip(("dq", "dk", "dv"), got, d64, dl, (3.0, 2.0, 2.0),
-                                         terms):
-            check_rule(name, gt, rr, l, dtype, f, t)
+    check_varlen(q, k, v, lq, lk, out, causal=True, lse=lse, grads=(dq, dk, dv), gout=gout)
 
 
 def test_misaligned_rows_at_a_padded_head_dim():
@@ -190,22 +165,8 @@ def test_block_sparse_head_dims_match_reference(case):
                        dtype=torch.float64).to(dtype)
     poison_allocator(q.numel() * 8 + (1 << 20))
     grads = torch.autograd.grad(out, (qc, kc, vc), dout.to(DEV))
-
-    def run_ref(dt):
-        qq, kk, vv = (x.to(dt).requires_grad_() for x in (q, k, v))
-        o = vref.block_sparse(qq, kk, vv, idx, cnt, V, q_sizes, kv_sizes, scale)
-        return (o, *torch.autograd.grad(o, (qq, kk, vv), dout.to(dt)))
-
-    r64, rlp = run_ref(torch.float64), run_ref(dtype)
-    for name, got, a, b, f in zip(("out", "dq", "dk", "dv"), (out, *grads), r64, rlp,
-                                  (2, 3, 2, 2)):
-        assert got.shape == a.shape, name
-        assert_2x(name, got.detach().cpu(), a.detach(), b.detach(), dtype, f)
-    l64 = reference_lse(q.double(), k.double(), idx, cnt, V, q_sizes, kv_sizes, scale)
-    llp = reference_lse(q, k, idx, cnt, V, q_sizes, kv_sizes, scale)
-    dead = torch.isneginf(l64)
-    assert torch.equal(torch.isneginf(lse.cpu()), dead), "LSE: -inf rows differ"
-    assert_2x("lse", lse.cpu()[~dead], l64[~dead], llp[~dead], dtype)
+    assert_follows_rule(out, lse, q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale, dtype, dout,
+                        grads)
 
 
 @pytest.mark.parametrize("D,dtype", [(80, torch.bfloat16), (192, torch.float16)])

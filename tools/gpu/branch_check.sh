@@ -15,16 +15,9 @@ cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-$(pwd)/branch-check}
 mkdir -p "$OUT"
 t0=$SECONDS
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/vidattn-site .whl/*.whl && export PYTHONPATH=/tmp/vidattn-site${PYTHONPATH:+:$PYTHONPATH}
-fi
-if ! bash tools/gpu/build_ops.sh . build/branch "${JOBS:-$(nproc)}" >"$OUT/build.log" 2>&1; then
-  grep -E "error|Error" "$OUT/build.log" | head -n 30
-  echo "build failed at $((SECONDS - t0))s"
-  exit 1
-fi
-echo "build done at $((SECONDS - t0))s"
+source tools/gpu/ops_setup.sh
+install_carried_wheels
+build_ops build/branch || exit 1
 cp build/branch/_vidattn_ops.so python/vidattn/
 export PYTHONPATH=$(pwd)/python${PYTHONPATH:+:$PYTHONPATH}
 if [ -n "${PYTEST_PATHS:-}" ]; then

@@ -27,10 +27,8 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 if [ ! -f build/branch/_vidattn_ops.so ]; then
   OUT=$OUT PYTEST_PATHS= BENCH= bash tools/gpu/branch_check.sh || exit 1
 else
-  if compgen -G ".whl/*.whl" >/dev/null; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/vidattn-site .whl/*.whl
-  fi
+  source tools/gpu/ops_setup.sh
+  install_carried_wheels
   cp build/branch/_vidattn_ops.so python/vidattn/
 fi
 export PYTHONPATH=$(pwd)/python:/tmp/vidattn-site:$(pwd)/${FASTVIDEO_DIR:-.xfer/fv}

@@ -31,10 +31,8 @@ OUT=${OUT:-$(pwd)/e2e-run}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 t0=$SECONDS
-if compgen -G ".whl/*.whl" >/dev/null; then
-  $PYTHON -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/vidattn-site .whl/*.whl && export PYTHONPATH=/tmp/vidattn-site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source tools/gpu/ops_setup.sh
+install_carried_wheels
 # PACKAGE_DIR: the folder that holds the vidattn package to run (default: this tree's python/;
 # CI's test of this script passes the installed one).
 PACKAGE_DIR=${PACKAGE_DIR:-$(pwd)/python}
@@ -42,12 +40,7 @@ if [ ! -f "$PACKAGE_DIR/vidattn/_vidattn_ops.so" ]; then
   if [ -n "${PREBUILT_OPS:-}" ]; then
     cp "$PREBUILT_OPS" "$PACKAGE_DIR/vidattn/_vidattn_ops.so" || exit 1
   else
-    if [ ! -f build/branch/_vidattn_ops.so ] && \
-        ! bash tools/gpu/build_ops.sh . build/branch "${JOBS:-$(nproc)}" >"$OUT/build.log" 2>&1; then
-      grep -E "error|Error" "$OUT/build.log" | head -n 30
-      echo "build failed at $((SECONDS - t0))s"
-      exit 1
-    fi
+    [ -f build/branch/_vidattn_ops.so ] || build_ops build/branch || exit 1
     cp build/branch/_vidattn_ops.so "$PACKAGE_DIR/vidattn/"
   fi
 fi

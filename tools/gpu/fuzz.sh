@@ -21,20 +21,13 @@ cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-$(pwd)/fuzz-out}
 mkdir -p "$OUT"
 t0=$SECONDS
-if compgen -G ".whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/vidattn-site .whl/*.whl && export PYTHONPATH=/tmp/vidattn-site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source tools/gpu/ops_setup.sh
+install_carried_wheels
 if [ -n "${LIB:-}" ]; then
   cp "$LIB" python/vidattn/_vidattn_ops.so
 else
-  if ! bash tools/gpu/build_ops.sh . build/fuzz "${JOBS:-$(nproc)}" >"$OUT/build.log" 2>&1; then
-    grep -E "error|Error" "$OUT/build.log" | head -n 30
-    echo "build failed at $((SECONDS - t0))s"
-    exit 1
-  fi
+  build_ops build/fuzz || exit 1
   cp build/fuzz/_vidattn_ops.so python/vidattn/
-  echo "build done at $((SECONDS - t0))s"
 fi
 export PYTHONPATH=$(pwd)/python${PYTHONPATH:+:$PYTHONPATH}
 python3 -m vidattn.fuzz --device cuda --count "${COUNT:-10000}" --seed "${SEED:-0}" \

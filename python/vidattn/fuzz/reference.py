@@ -1,7 +1,7 @@
 """Plain-PyTorch math of every fuzzed op, run in the dtype of its inputs: in float64 it is the
 reference, in the kernel's own dtype the baseline of the accuracy rule (docs/conventions.md).
-It ships with the package (tests/python has its own, richer copy) so that the fuzz runs on any
-machine with vidattn installed."""
+It ships with the package so that the fuzz runs on any machine with vidattn installed; the
+test suite's attention reference (tests/python/attention_reference.py) is this math too."""
 from __future__ import annotations
 
 import math
@@ -9,9 +9,10 @@ import math
 import torch
 
 
-def attention(q, k, v, allowed, scale):
+def attention(q, k, v, allowed, scale, return_lse=False):
     """q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv]; allowed bool broadcastable to
-    [B, Hq, Sq, Sk]. A row with no allowed key outputs 0 (differentiable, gradient 0)."""
+    [B, Hq, Sq, Sk]. A row with no allowed key outputs 0 (differentiable, gradient 0).
+    return_lse: also the LSE [B, Hq, Sq] of the scaled logits (detached; -inf for such a row)."""
     g = q.shape[2] // k.shape[2]
     kh = k.repeat_interleave(g, 2)
     vh = v.repeat_interleave(g, 2)
@@ -20,7 +21,8 @@ def attention(q, k, v, allowed, scale):
     s = s.masked_fill(~allowed, float("-inf"))
     empty = ~allowed.any(-1, keepdim=True)
     p = torch.softmax(s.masked_fill(empty, 0.0), -1).masked_fill(~allowed, 0.0)
-    return torch.einsum("bhij,bjhd->bihd", p, vh)
+    out = torch.einsum("bhij,bjhd->bihd", p, vh)
+    return (out, torch.logsumexp(s.detach(), -1)) if return_lse else out
 
 
 def dense_allowed(B, Sq, Sk, causal, key_mask, query_mask, device="cpu"):
@@ -36,14 +38,20 @@ def dense_allowed(B, Sq, Sk, causal, key_mask, query_mask, device="cpu"):
     return allowed.to(device)
 
 
-def varlen(q, k, v, cu_q, cu_k, causal, scale):
-    """Packed [T, H, D] tensors: each sequence on its own (torch.cat keeps autograd)."""
-    outs = []
+def varlen(q, k, v, cu_q, cu_k, causal, scale, return_lse=False):
+    """Packed [T, H, D] tensors: each sequence on its own (torch.cat keeps autograd).
+    return_lse: also the LSE [Hq, Tq] (as vidattn.attention_varlen gives it)."""
+    outs, lses = [], []
     for i in range(len(cu_q) - 1):
         qs, ks, vs = (q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]])
         allowed = dense_allowed(1, qs.shape[0], ks.shape[0], causal, None, None).to(q.device)
-        outs.append(attention(qs[None], ks[None], vs[None], allowed, scale)[0])
-    return torch.cat(outs, 0) if outs else q.new_zeros(0, q.shape[1], v.shape[2])
+        o, lse = attention(qs[None], ks[None], vs[None], allowed, scale, return_lse=True)
+        outs.append(o[0])
+        lses.append(lse[0])
+    out = torch.cat(outs, 0) if outs else q.new_zeros(0, q.shape[1], v.shape[2])
+    if not return_lse:
+        return out
+    return out, (torch.cat(lses, 1) if lses else q.new_zeros(q.shape[1], 0))
 
 
 def block_sparse(q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale):

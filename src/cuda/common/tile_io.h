@@ -53,33 +53,9 @@ __device__ __forceinline__ std::int64_t k_side_offset(const AttentionParams& p,
 
 // Loads rows [0, ROWS) of a tile whose row 0 is at `src` (row stride in elements) into the
 // swizzled shared tile; rows >= valid_rows are zero-filled, so that no garbage (or NaN)
-// from outside the sequence reaches the tensor cores.
-template <int ROWS, int WIDTH, int THREADS>
-__device__ __forceinline__ void load_tile(std::uint16_t* tile, const std::uint16_t* src,
-                                          std::int64_t row_stride, std::int64_t valid_rows,
-                                          bool aligned16) {
-  constexpr int kChunks = WIDTH / 8;
-  if (aligned16) {
-#pragma unroll
-    for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += THREADS) {
-      const int r = idx / kChunks, c = idx % kChunks;
-      const bool ok = r < valid_rows;
-      const std::uint16_t* g = src + (ok ? r * row_stride + c * 8 : 0);
-      cp_async_16(tile + swizzle<WIDTH>(r, c), g, ok ? 16 : 0);
-    }
-  } else {
-    for (int idx = threadIdx.x; idx < ROWS * kChunks; idx += THREADS) {
-      const int r = idx / kChunks, c = idx % kChunks;
-      std::uint16_t* d = tile + swizzle<WIDTH>(r, c);
-      const bool ok = r < valid_rows;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) d[e] = ok ? src[r * row_stride + c * 8 + e] : std::uint16_t(0);
-    }
-  }
-}
-
-// load_tile of a tile whose rows hold only valid_cols (a multiple of 8, at most WIDTH) real
-// columns: the 16-byte chunks past them are zero-filled too and never read from global memory.
+// from outside the sequence reaches the tensor cores. Only the first valid_cols columns (a
+// multiple of 8, at most WIDTH) of a row are real: the 16-byte chunks past them are
+// zero-filled too and never read from global memory.
 template <int ROWS, int WIDTH, int THREADS>
 __device__ __forceinline__ void load_tile_cols(std::uint16_t* tile, const std::uint16_t* src,
                                                std::int64_t row_stride, std::int64_t valid_rows,
@@ -104,16 +80,15 @@ __device__ __forceinline__ void load_tile_cols(std::uint16_t* tile, const std::u
   }
 }
 
-// A head-dim tile: load_tile_cols when the instance is padded (kPadded), else load_tile
-// (valid_cols unused: the row holds WIDTH real columns).
+// A head-dim tile: valid_cols real columns when the instance is padded (kPadded), else all
+// WIDTH (valid_cols unused). The constant WIDTH makes the column test of load_tile_cols
+// always true, so the compiler drops it: an exact instance loads as if it had none.
 template <int ROWS, int WIDTH, int THREADS, bool kPadded>
 __device__ __forceinline__ void load_head_tile(std::uint16_t* tile, const std::uint16_t* src,
                                                std::int64_t row_stride, std::int64_t valid_rows,
                                                bool aligned16, int valid_cols) {
-  if constexpr (kPadded)
-    load_tile_cols<ROWS, WIDTH, THREADS>(tile, src, row_stride, valid_rows, valid_cols, aligned16);
-  else
-    load_tile<ROWS, WIDTH, THREADS>(tile, src, row_stride, valid_rows, aligned16);
+  load_tile_cols<ROWS, WIDTH, THREADS>(tile, src, row_stride, valid_rows,
+                                       kPadded ? valid_cols : WIDTH, aligned16);
 }
 
 // Stores a pair of adjacent columns (x at col, y at col + 1) of one output row.

@@ -37,7 +37,7 @@ __device__ __forceinline__ int tile_size(const std::int32_t* sizes, std::int64_t
 // ---- dense ------------------------------------------------------------------------------
 
 // Blocks of BLOCK rows covering [begin, end); rows past `limit` (the sequence's end) are not
-// loaded (load_tile zero-fills them), rows in [end, limit) are loaded and masked.
+// loaded (load_tile_cols zero-fills them), rows in [end, limit) are loaded and masked.
 template <int BLOCK>
 struct DenseVisit {
   std::int64_t begin = 0, end = 0, limit = 0;
