@@ -82,7 +82,8 @@ def pool(x, block_sizes, V, acc):
     T = S // V
     valid = (torch.arange(V)[None, :] < block_sizes.long().cpu()[:, None]).to(x.device)
     xs = x.reshape(B, T, V, H, D).to(acc) * valid[None, :, :, None, None].to(acc)
-    return (xs.sum(2) / block_sizes.to(acc).clamp(min=1)[None, :, None, None]).to(x.dtype)
+    sizes = block_sizes.to(x.device, acc).clamp(min=1)
+    return (xs.sum(2) / sizes[None, :, None, None]).to(x.dtype)
 
 
 def vsa(q, k, v, block_sizes, V, idx, cnt, gate, scale):
@@ -181,5 +182,6 @@ def vsa_floors(q, k, v, dout, block_sizes, V, idx, cnt, gate, scale):
         None, :, None, None]
     d_c = d_c.reshape(B, T, V, Hq, -1).sum(2)
     pooled = [pool(x, block_sizes, V, torch.float64) for x in (q, k, v)]
-    coarse = backward_floors(*pooled, d_c, torch.ones(1, 1, T, T, dtype=torch.bool), scale)
+    coarse = backward_floors(*pooled, d_c,
+                             torch.ones(1, 1, T, T, dtype=torch.bool, device=q.device), scale)
     return tuple(f + c for f, c in zip(fine, coarse))
