@@ -25,6 +25,14 @@ pytestmark = pytest.mark.skipif(
 DEV = "cuda"
 
 
+def qkv(g, shape, dtype, input_scale, dv=None):
+    """q [B, Sq, Hq, D] and k [B, Sk, Hkv, D] at input_scale, v [B, Sk, Hkv, dv or D] at 1,
+    drawn from g in that order."""
+    B, Sq, Sk, Hq, Hkv, D = shape
+    return (randn((B, Sq, Hq, D), dtype, g, input_scale),
+            randn((B, Sk, Hkv, D), dtype, g, input_scale), randn((B, Sk, Hkv, dv or D), dtype, g))
+
+
 def launches() -> int:
     return torch.ops.vidattn._sm90_forward_launches()
 
@@ -63,9 +71,7 @@ def test_sm90_forward_matches_reference(case, input_scale):
     B, Sq, Sk, Hq, Hkv, D, dtype, causal = case
     seed = zlib.crc32(repr((case, input_scale)).encode())
     g = gen(seed)
-    q = randn((B, Sq, Hq, D), dtype, g, input_scale)
-    k = randn((B, Sk, Hkv, D), dtype, g, input_scale)
-    v = randn((B, Sk, Hkv, D), dtype, g)
+    q, k, v = qkv(g, (B, Sq, Sk, Hq, Hkv, D), dtype, input_scale)
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
@@ -96,16 +102,15 @@ PADDED_CASES = [  # B, Sq, Sk, Hq, Hkv, D, Dv, dtype, causal
 ]
 
 
-@pytest.mark.parametrize("case", PADDED_CASES, ids=lambda c: "B{}_Sq{}_Sk{}_H{}x{}_D{}_Dv{}_{}_{}".format(
-    *c[:7], str(c[7])[6:], "causal" if c[8] else "full"))
+@pytest.mark.parametrize("case", PADDED_CASES,
+                         ids=lambda c: "B{}_Sq{}_Sk{}_H{}x{}_D{}_Dv{}_{}_{}".format(
+                             *c[:7], str(c[7])[6:], "causal" if c[8] else "full"))
 @pytest.mark.parametrize("input_scale", [1.0, 16.0])
 def test_sm90_padded_head_dims_match_reference(case, input_scale):
     B, Sq, Sk, Hq, Hkv, D, Dv, dtype, causal = case
     seed = zlib.crc32(repr(("padded", case, input_scale)).encode())
     g = gen(seed)
-    q = randn((B, Sq, Hq, D), dtype, g, input_scale)
-    k = randn((B, Sk, Hkv, D), dtype, g, input_scale)
-    v = randn((B, Sk, Hkv, Dv), dtype, g)
+    q, k, v = qkv(g, (B, Sq, Sk, Hq, Hkv, D), dtype, input_scale, dv=Dv)
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
@@ -117,9 +122,7 @@ def test_sm90_padded_head_dims_with_padding_masks(D, Dv, causal):
     seed = zlib.crc32(repr(("padded masks", D, Dv, causal)).encode())
     g = gen(seed)
     B, Sq, Sk, H = 3, 300, 700, 2
-    q = randn((B, Sq, H, D), torch.bfloat16, g, 4.0)
-    k = randn((B, Sk, H, D), torch.bfloat16, g, 4.0)
-    v = randn((B, Sk, H, Dv), torch.bfloat16, g)
+    q, k, v = qkv(g, (B, Sq, Sk, H, H, D), torch.bfloat16, 4.0, dv=Dv)
     kmask = torch.rand((B, Sk), generator=g, device=DEV) > 0.3
     qmask = torch.rand((B, Sq), generator=g, device=DEV) > 0.2
     kmask[1] = False  # every row of this batch entry sees nothing
@@ -139,9 +142,7 @@ def test_sm90_short_key_loops_on_three_warpgroups(Sk, causal, dtype):
     seed = zlib.crc32(repr(("short keys", Sk, causal, str(dtype))).encode())
     g = gen(seed)
     B, Sq, Hq, Hkv, D = 1, 384, 66, 6, 128
-    q = randn((B, Sq, Hq, D), dtype, g, 16.0)
-    k = randn((B, Sk, Hkv, D), dtype, g, 16.0)
-    v = randn((B, Sk, Hkv, D), dtype, g)
+    q, k, v = qkv(g, (B, Sq, Sk, Hq, Hkv, D), dtype, 16.0)
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
@@ -163,9 +164,7 @@ def test_sm90_short_key_loops_over_several_tiles_per_cta(D, Sk, causal, dtype):
     seed = zlib.crc32(repr(("several tiles per CTA", D, Sk, causal, str(dtype))).encode())
     g = gen(seed)
     B, Sq, Hq, Hkv = (2, 1152, 44, 4) if D == 128 else (2, 1000, 48, 8)
-    q = randn((B, Sq, Hq, D), dtype, g, 4.0)
-    k = randn((B, Sk, Hkv, D), dtype, g, 4.0)
-    v = randn((B, Sk, Hkv, D), dtype, g)
+    q, k, v = qkv(g, (B, Sq, Sk, Hq, Hkv, D), dtype, 4.0)
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
@@ -186,9 +185,7 @@ def test_sm90_split_last_round_matches_reference(D, Sk, dtype, input_scale):
     B, Sq, Hq, Hkv = 1, 347, sms // 2 + 7, 1  # 2 tiles of 192 rows per head
     seed = zlib.crc32(repr(("split last round", D, Sk, str(dtype), input_scale)).encode())
     g = gen(seed)
-    q = randn((B, Sq, Hq, D), dtype, g, input_scale)
-    k = randn((B, Sk, Hkv, D), dtype, g, input_scale)
-    v = randn((B, Sk, Hkv, D), dtype, g)
+    q, k, v = qkv(g, (B, Sq, Sk, Hq, Hkv, D), dtype, input_scale)
     takes_sm90(lambda: run_and_check(q, k, v, seed=seed, check_grads=False))
 
 
@@ -203,9 +200,7 @@ def test_sm90_key_lengths_across_a_block_boundary(causal, D, Sk):
     seed = zlib.crc32(repr(("block boundary", causal, D, Sk)).encode())
     g = gen(seed)
     B, Sq, Hq, Hkv = 1, 203, 3, 1
-    q = randn((B, Sq, Hq, D), torch.float16, g, 16.0)
-    k = randn((B, Sk, Hkv, D), torch.float16, g, 16.0)
-    v = randn((B, Sk, Hkv, D), torch.float16, g)
+    q, k, v = qkv(g, (B, Sq, Sk, Hq, Hkv, D), torch.float16, 16.0)
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
@@ -219,9 +214,7 @@ def test_sm90_key_loops_of_either_parity(Sk, dtype):
     seed = zlib.crc32(repr(("loop parity", Sk, str(dtype))).encode())
     g = gen(seed)
     B, Sq, Hq, Hkv, D = 1, 300, 4, 2, 128
-    q = randn((B, Sq, Hq, D), dtype, g, 4.0)
-    k = randn((B, Sk, Hkv, D), dtype, g, 4.0)
-    v = randn((B, Sk, Hkv, D), dtype, g)
+    q, k, v = qkv(g, (B, Sq, Sk, Hq, Hkv, D), dtype, 4.0)
     takes_sm90(lambda: run_and_check(q, k, v, seed=seed, check_grads=False))
 
 
@@ -305,9 +298,7 @@ def test_sm90_random_problems_around_the_dispatch_limits(problem):
     B, Sq, Sk, Hq, Hkv, D, dtype, causal, key_mask, query_mask = problem
     seed = zlib.crc32(repr(problem).encode())
     g = gen(seed)
-    q = randn((B, Sq, Hq, D), dtype, g, 4.0)
-    k = randn((B, Sk, Hkv, D), dtype, g, 4.0)
-    v = randn((B, Sk, Hkv, D), dtype, g)
+    q, k, v = qkv(g, (B, Sq, Sk, Hq, Hkv, D), dtype, 4.0)
     kmask = torch.rand((B, Sk), generator=g, device=DEV) > 0.3 if key_mask else None
     qmask = torch.rand((B, Sq), generator=g, device=DEV) > 0.2 if query_mask else None
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, kmask=kmask, qmask=qmask,
@@ -345,9 +336,7 @@ def test_sm90_random_problems_over_the_schedule(problem):
     B, Sq, Sk, Hq, Hkv, D, dtype, causal = problem
     seed = zlib.crc32(repr(problem).encode())
     g = gen(seed)
-    q = randn((B, Sq, Hq, D), dtype, g, 4.0)
-    k = randn((B, Sk, Hkv, D), dtype, g, 4.0)
-    v = randn((B, Sk, Hkv, D), dtype, g)
+    q, k, v = qkv(g, (B, Sq, Sk, Hq, Hkv, D), dtype, 4.0)
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
@@ -381,9 +370,7 @@ def test_sm90_padding_masks_and_packed_views():
 def test_sm90_key_padding_mask(Sq, Sk, D, causal, layout):
     g = gen(zlib.crc32(repr((Sq, Sk, D, causal, layout)).encode()))
     B, Hq, Hkv = 3, 4, 2
-    q = randn((B, Sq, Hq, D), torch.bfloat16, g, 4.0)
-    k = randn((B, Sk, Hkv, D), torch.bfloat16, g, 4.0)
-    v = randn((B, Sk, Hkv, D), torch.bfloat16, g)
+    q, k, v = qkv(g, (B, Sq, Sk, Hq, Hkv, D), torch.bfloat16, 4.0)
     width = {"contiguous": Sk, "offset": Sk + 1, "strided": 3 * Sk, "suffix": Sk}[layout]
     wide = torch.rand((B, width), generator=g, device=DEV) > 0.4
     kmask = {"contiguous": wide, "offset": wide[:, 1:], "strided": wide[:, ::3],
@@ -425,9 +412,7 @@ def packed_case_inputs(case, g):
         q, k, v = (randn((B, h, s, D), dtype, g, sc).transpose(1, 2)
                    for h, s, sc in ((Hq, Sq, 4.0), (Hkv, Sk, 4.0), (Hkv, Sk, 1.0)))
     else:
-        q = randn((B, Sq, Hq, D), dtype, g, 4.0)
-        k = randn((B, Sk, Hkv, D), dtype, g, 4.0)
-        v = randn((B, Sk, Hkv, D), dtype, g)
+        q, k, v = qkv(g, (B, Sq, Sk, Hq, Hkv, D), dtype, 4.0)
     kmask = torch.rand((B, Sk), generator=g, device=DEV) > 0.3
     if B > 1:
         kmask[1] = False
@@ -559,9 +544,7 @@ def test_sm90_cta_pairs_match_reference(shape):
     B, Sq, Sk, Hq, Hkv, D, dtype = shape
     seed = zlib.crc32(repr(shape).encode())
     g = gen(seed)
-    q = randn((B, Sq, Hq, D), dtype, g, 4.0)
-    k = randn((B, Sk, Hkv, D), dtype, g, 4.0)
-    v = randn((B, Sk, Hkv, D), dtype, g)
+    q, k, v = qkv(g, (B, Sq, Sk, Hq, Hkv, D), dtype, 4.0)
     takes_sm90(lambda: run_and_check(q, k, v, seed=seed, check_grads=False))
 
 
@@ -583,9 +566,7 @@ def test_sm90_odd_tiles_match_reference(shape, causal):
     seed = zlib.crc32(repr((shape, causal)).encode())
     g = gen(seed)
     dt = getattr(torch, dtype)
-    q = randn((B, Sq, Hq, D), dt, g, 4.0)
-    k = randn((B, Sk, Hkv, D), dt, g, 4.0)
-    v = randn((B, Sk, Hkv, D), dt, g)
+    q, k, v = qkv(g, (B, Sq, Sk, Hq, Hkv, D), dt, 4.0)
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
@@ -606,9 +587,7 @@ def test_sm90_short_keys_match_reference(shape):
     B, Sq, Sk, Hq, Hkv, D, causal = shape
     seed = zlib.crc32(repr(shape).encode())
     g = gen(seed)
-    q = randn((B, Sq, Hq, D), torch.bfloat16, g, 4.0)
-    k = randn((B, Sk, Hkv, D), torch.bfloat16, g, 4.0)
-    v = randn((B, Sk, Hkv, D), torch.bfloat16, g)
+    q, k, v = qkv(g, (B, Sq, Sk, Hq, Hkv, D), torch.bfloat16, 4.0)
     takes_sm90(lambda: run_and_check(q, k, v, causal=causal, seed=seed, check_grads=False))
 
 
