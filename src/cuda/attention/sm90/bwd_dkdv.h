@@ -17,6 +17,7 @@
 #include "bwd_epilogue.h"
 #include "bwd_fused_dq.h"
 #include "bwd_kernel_params.h"
+#include "bwd_tma_loads.h"
 #include "cuda/common/mma_utils.h"
 #include "cuda/common/tile_io.h"
 #include "kernel_utils.h"
@@ -31,26 +32,14 @@ __device__ __forceinline__ void dkdv_load_stationary(const BwdKernelParams<Trait
                                                      const cuda_common::Sequence& seq, int hk,
                                                      std::int64_t k0) {
   using namespace cute;
-  constexpr int D = Traits::kHeadDim, R = Traits::kRows;
   const cuda_common::AttentionParams& a = p.attn;
   const int tb = a.varlen ? 0 : static_cast<int>(seq.batch);
   const int k_base = static_cast<int>(a.varlen ? seq.first_k : 0);
-  Tensor mK = p.tma_x.get_tma_tensor(make_shape(p.kv_rows, Int<D>{}, a.heads_kv, p.tma_batch));
-  Tensor mV = p.tma_y.get_tma_tensor(make_shape(p.kv_rows, Int<D>{}, a.heads_kv, p.tma_batch));
-  Tensor sK = make_tensor(make_smem_ptr(st.x.data()), typename Traits::SmemLayoutRows{});
-  Tensor sV = make_tensor(make_smem_ptr(st.y.data()), typename Traits::SmemLayoutRows{});
-  auto cta_x = p.tma_x.get_slice(_0{});
-  auto cta_y = p.tma_y.get_slice(_0{});
   Barrier::arrive_and_expect_tx(&st.rows_full, 2 * Traits::kRowsBytes);
-  const int krow = k_base + static_cast<int>(k0);
-  copy(p.tma_x.with(st.rows_full),
-       cta_x.partition_S(local_tile(domain_offset(make_coord(krow, _0{}), mK(_, _, hk, tb)),
-                                    Shape<Int<R>, Int<D>>{}, make_coord(_0{}, _0{}))),
-       cta_x.partition_D(sK));
-  copy(p.tma_y.with(st.rows_full),
-       cta_y.partition_S(local_tile(domain_offset(make_coord(krow, _0{}), mV(_, _, hk, tb)),
-                                    Shape<Int<R>, Int<D>>{}, make_coord(_0{}, _0{}))),
-       cta_y.partition_D(sV));
+  load_tile_pair<Traits::kRows, Traits::kHeadDim>(
+      p.tma_x, p.tma_y, p.kv_rows, a.heads_kv, p.tma_batch, k_base + static_cast<int>(k0), hk,
+      tb, make_tensor(make_smem_ptr(st.x.data()), typename Traits::SmemLayoutRows{}),
+      make_tensor(make_smem_ptr(st.y.data()), typename Traits::SmemLayoutRows{}), st.rows_full);
 }
 
 // One stream's ring: Q, dO and the rows' statistics of each query block its visit names.
@@ -60,16 +49,11 @@ __device__ __forceinline__ void dkdv_producer(const BwdKernelParams<Traits>& p,
                                               const cuda_common::Sequence& seq, Visit visit,
                                               int stream) {
   using namespace cute;
-  constexpr int D = Traits::kHeadDim, C = Traits::kCols;
   const cuda_common::AttentionParams& a = p.attn;
   const int tb = a.varlen ? 0 : static_cast<int>(seq.batch);
   const int q_base = static_cast<int>(a.varlen ? seq.first_q : 0);
-  Tensor mQ = p.tma_u.get_tma_tensor(make_shape(p.q_rows, Int<D>{}, a.heads_q, p.tma_batch));
-  Tensor mdO = p.tma_w.get_tma_tensor(make_shape(p.q_rows, Int<D>{}, a.heads_q, p.tma_batch));
   Tensor sQ = make_tensor(make_smem_ptr(st.u.data()), typename Traits::SmemLayoutCols{});
   Tensor sdO = make_tensor(make_smem_ptr(st.w.data()), typename Traits::SmemLayoutCols{});
-  auto cta_u = p.tma_u.get_slice(_0{});
-  auto cta_w = p.tma_w.get_slice(_0{});
   const int n = visit.num_blocks();
   RingState<Traits::kStages> ring;
   for (int i = 0; i < n; ++i) {
@@ -78,15 +62,9 @@ __device__ __forceinline__ void dkdv_producer(const BwdKernelParams<Traits>& p,
     Barrier::wait(&st.empty[s], ring.phase ^ 1u);
     Barrier::arrive_and_expect_tx(&st.full[s],
                                   2 * Traits::kColsBytes + 2 * Traits::kStatsBytes);
-    const int qrow = q_base + static_cast<int>(qb.q0);
-    copy(p.tma_u.with(st.full[s]),
-         cta_u.partition_S(local_tile(domain_offset(make_coord(qrow, _0{}), mQ(_, _, qb.head, tb)),
-                                      Shape<Int<C>, Int<D>>{}, make_coord(_0{}, _0{}))),
-         cta_u.partition_D(sQ(_, _, s)));
-    copy(p.tma_w.with(st.full[s]),
-         cta_w.partition_S(local_tile(domain_offset(make_coord(qrow, _0{}), mdO(_, _, qb.head, tb)),
-                                      Shape<Int<C>, Int<D>>{}, make_coord(_0{}, _0{}))),
-         cta_w.partition_D(sdO(_, _, s)));
+    load_tile_pair<Traits::kCols, Traits::kHeadDim>(
+        p.tma_u, p.tma_w, p.q_rows, a.heads_q, p.tma_batch, q_base + static_cast<int>(qb.q0),
+        qb.head, tb, sQ(_, _, s), sdO(_, _, s), st.full[s]);
     const std::int64_t stats = p.stats.offset(blockIdx.z, qb.head, a.heads_q, qb.q0);
     SM90_BULK_COPY_G2S::copy(p.stats.lse2 + stats, &st.full[s], st.lse2[s],
                              Traits::kStatsBytes);
