@@ -33,6 +33,23 @@ def randn(shape, dtype, g, scale=1.0):
     return (torch.randn(shape, generator=g, device=DEV, dtype=torch.float32) * scale).to(dtype)
 
 
+def qkv(g, shape, dtype, input_scale, dv=None):
+    """q [B, Sq, Hq, D] and k [B, Sk, Hkv, D] at input_scale, v [B, Sk, Hkv, dv or D] at 1,
+    drawn from g in that order."""
+    B, Sq, Sk, Hq, Hkv, D = shape
+    return (randn((B, Sq, Hq, D), dtype, g, input_scale),
+            randn((B, Sk, Hkv, D), dtype, g, input_scale), randn((B, Sk, Hkv, dv or D), dtype, g))
+
+
+def assert_launched(counter, fn, what) -> None:
+    """fn() launches at least one kernel that `counter` (a VIDATTN_TESTING hook, e.g.
+    torch.ops.vidattn._sm90_forward_launches) counts."""
+    before = counter()
+    fn()
+    torch.cuda.synchronize()
+    assert counter() > before, f"{what} did not run"
+
+
 def reference(q, k, v, scale, causal=False, kmask=None, qmask=None):
     """Attention in q's dtype with PyTorch ops: out [B,Sq,Hq,D], lse [B,Hq,Sq] (float64 for
     float64 inputs, else float32)."""

@@ -16,7 +16,8 @@ import torch
 
 import vidattn
 from cuda_poison import poison_allocator
-from test_attention_cuda import check_varlen, cu, gen, randn, run_and_check
+from test_attention_cuda import (assert_launched, check_varlen, cu, gen, qkv, randn,
+                                 run_and_check)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -25,23 +26,13 @@ pytestmark = pytest.mark.skipif(
 DEV = "cuda"
 
 
-def qkv(g, shape, dtype, input_scale, dv=None):
-    """q [B, Sq, Hq, D] and k [B, Sk, Hkv, D] at input_scale, v [B, Sk, Hkv, dv or D] at 1,
-    drawn from g in that order."""
-    B, Sq, Sk, Hq, Hkv, D = shape
-    return (randn((B, Sq, Hq, D), dtype, g, input_scale),
-            randn((B, Sk, Hkv, D), dtype, g, input_scale), randn((B, Sk, Hkv, dv or D), dtype, g))
-
 
 def launches() -> int:
     return torch.ops.vidattn._sm90_forward_launches()
 
 
 def takes_sm90(fn) -> None:
-    before = launches()
-    fn()
-    torch.cuda.synchronize()
-    assert launches() > before, "the sm90 forward did not run"
+    assert_launched(launches, fn, "the sm90 forward")
 
 
 CASES = [  # B, Sq, Sk, Hq, Hkv, D, dtype, causal

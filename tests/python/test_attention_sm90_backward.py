@@ -16,7 +16,8 @@ import torch
 
 import vidattn
 from cuda_poison import poison_allocator
-from test_attention_cuda import check_varlen, cu, gen, randn, run_and_check
+from test_attention_cuda import (assert_launched, check_varlen, cu, gen, qkv, randn,
+                                 run_and_check)
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
@@ -30,10 +31,7 @@ def launches() -> int:
 
 
 def takes_sm90_backward(fn) -> None:
-    before = launches()
-    fn()
-    torch.cuda.synchronize()
-    assert launches() > before, "the sm90 backward did not run"
+    assert_launched(launches, fn, "the sm90 backward")
 
 
 CASES = [  # B, Sq, Sk, Hq, Hkv, D, dtype, causal
@@ -56,9 +54,7 @@ def test_sm90_backward_matches_reference(case, input_scale, deterministic):
     B, Sq, Sk, Hq, Hkv, D, dtype, causal = case
     seed = zlib.crc32(repr((case, input_scale, "bwd")).encode())
     g = gen(seed)
-    q = randn((B, Sq, Hq, D), dtype, g, input_scale)
-    k = randn((B, Sk, Hkv, D), dtype, g, input_scale)
-    v = randn((B, Sk, Hkv, D), dtype, g)
+    q, k, v = qkv(g, (B, Sq, Sk, Hq, Hkv, D), dtype, input_scale)
     takes_sm90_backward(lambda: run_and_check(q, k, v, causal=causal, seed=seed,
                                               deterministic=deterministic))
 
@@ -69,9 +65,7 @@ def test_sm90_backward_matches_reference(case, input_scale, deterministic):
 def test_sm90_backward_padding_masks(D, causal, deterministic):
     g = gen(6000 + D + int(causal))
     B, Sq, Sk, Hq, Hkv = 3, 300, 450, 4, 2
-    q = randn((B, Sq, Hq, D), torch.bfloat16, g, 4.0)
-    k = randn((B, Sk, Hkv, D), torch.bfloat16, g, 4.0)
-    v = randn((B, Sk, Hkv, D), torch.bfloat16, g)
+    q, k, v = qkv(g, (B, Sq, Sk, Hq, Hkv, D), torch.bfloat16, 4.0)
     kmask = torch.rand((B, Sk), generator=g, device=DEV) > 0.3
     qmask = torch.rand((B, Sq), generator=g, device=DEV) > 0.2
     kmask[1] = False  # every query of this entry sees nothing
