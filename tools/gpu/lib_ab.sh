@@ -8,6 +8,9 @@
 #            DENSE_SHAPES), one line per row with each library's TFLOP/s per round;
 #  * sparse: the sm_90a block-sparse rows (the dense mode, ours only, one dense shape first;
 #            SPARSE_ROWS "B,S,H,D,tile,sparsity ..." picks the rows);
+#  * bwd:    the backward (python -m vidattn.bench dense on BWD_SHAPES: deterministic and
+#            fused-dQ backward, cuDNN's), then the block-sparse op at Wan 480p (bench
+#            block-sparse: its forward and backward, our dense ones);
 #  * vsa:    the whole VSA forward's kernel time (tools/profile/profile_vsa.py, VSA_ARGS,
 #            default Wan 480p; several argument sets separated by ";");
 #  * cmd:    any command, AB_CMD (e.g. AB_CMD="python3 -m vidattn.bench rope"), its output
@@ -31,6 +34,7 @@ OUT=${OUT:-$(pwd)/lib-ab-run}
 STAGES=${STAGES:-"pytest sanitizer dense sparse vsa"}
 PYTEST_FILES=${PYTEST_FILES:-"tests/python/test_attention_sm90.py tests/python/test_block_sparse_cuda.py tests/python/test_vsa_cuda.py"}
 DENSE_SHAPES=${DENSE_SHAPES:-"1,32760:512,12,128 1,32760:257,12,128 1,39936,12,128 1,32768,12,128 2,16384,32,64"}
+BWD_SHAPES=${BWD_SHAPES:-"1,39936,12,128 2,16384,32,64 1,16384,12,128,causal"}
 VSA_ARGS=${VSA_ARGS:-"--iters 10"}
 ROUNDS=${ROUNDS:-2}
 mkdir -p "$OUT"
@@ -90,11 +94,16 @@ for line in open(sys.argv[1]):
         name = line[3:].split(",")[0]
     elif line.startswith("{") and name:
         row = json.loads(line)
-        rate = row.get("vidattn_fwd", row.get("sparse_fwd"))
-        if rate is None:
-            continue
         key = " ".join(str(row[k]) for k in ("shape", "kv_len", "tile", "sparsity") if k in row)
-        cell = f"{rate:.1f}" + (f" [{row['cudnn_fwd']:.1f}]" if "cudnn_fwd" in row else "")
+        if "vidattn_bwd" in row:  # the bwd stage: deterministic / fused-dQ backward [cuDNN]
+            key += " bwd"
+            cell = (f"{row['vidattn_bwd']:.1f} / {row.get('vidattn_nondet_bwd', float('nan')):.1f}"
+                    + (f" [{row['cudnn_bwd']:.1f}]" if "cudnn_bwd" in row else ""))
+        else:
+            rate = row.get("vidattn_fwd", row.get("sparse_fwd"))
+            if rate is None:
+                continue
+            cell = f"{rate:.1f}" + (f" [{row['cudnn_fwd']:.1f}]" if "cudnn_fwd" in row else "")
         table.setdefault(key, {}).setdefault(name, []).append(cell)
     elif "failed" in line:
         print(line.strip())
@@ -135,6 +144,14 @@ if has sparse; then
   rounds python3 -m vidattn.bench dense --ours-only --shapes 1,39936,12,128 "${sparse_rows[@]}" \
     >"$OUT/sparse_ab.log" 2>&1
   summarize "$OUT/sparse_ab.log"
+fi
+if has bwd; then
+  log "backward: dense rows (deterministic / fused dQ [cuDNN]), then the block-sparse op"
+  # shellcheck disable=SC2086  # a list of shapes
+  rounds python3 -m vidattn.bench dense --shapes $BWD_SHAPES --sparse-rows >"$OUT/bwd_ab.log" 2>&1
+  summarize "$OUT/bwd_ab.log"
+  AB_FILTER='"(sparse|dense)_(fwd|bwd)_tflops"' rounds python3 -m vidattn.bench block-sparse \
+    2>&1 | tee -a "$OUT/bwd_ab.log"
 fi
 if has vsa; then
   log "whole VSA forward"
