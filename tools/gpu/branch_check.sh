@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # One GPU-machine call for a branch whose op library is built nowhere else yet: builds this
 # tree's library (tools/gpu/build_ops.sh, CUTLASS from the carried .whl wheels), then runs the
-# named test files and one bench mode with it. Run from the tree (e.g. a git archive of the
+# named test files and bench runs with it. Run from the tree (e.g. a git archive of the
 # branch carried to the GPU machine and extracted there, with .whl linked beside it).
 #
-#   OUT=$OUT PYTEST_PATHS="tests/python/test_a.py ..." BENCH="dense --shapes 1,39936,12,128" \
+#   OUT=$OUT PYTEST_PATHS="tests/python/test_a.py ..." \
+#     BENCH="dense --shapes 1,39936,12,128; dense --head-dims --fwd-vs-cudnn" \
 #     CMAKE_ARGS="-DVIDATTN_CUDA_TARGETS=90a" bash tools/gpu/branch_check.sh
 #
-# BENCH may hold several bench runs separated by ';'. PYTEST_TIMEOUT (s, 240), BENCH_TIMEOUT (s,
-# 150, per run), JOBS (nproc). Prints the build time, the
-# pytest summary and failures, and the bench table; logs and the bench JSON land in OUT.
+# BENCH: bench runs separated by ';' (bench.json, bench-2.json, ...). PYTEST_TIMEOUT (s, 240),
+# BENCH_TIMEOUT (s, 150, per run), JOBS (nproc). Prints the build time, the pytest summary and
+# failures, and the bench tables; logs and the bench JSON land in OUT.
 set -uo pipefail
 cd "$(dirname "$0")/../.." || exit 1
 OUT=${OUT:-$(pwd)/branch-check}
@@ -26,7 +27,6 @@ if [ -n "${PYTEST_PATHS:-}" ]; then
   echo "pytest rc=$? at $((SECONDS - t0))s: $(tail -n 1 "$OUT/pytest.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -n 30
 fi
-# BENCH may name several runs separated by ';' (bench.json, bench-2.json, ...).
 n=0
 IFS=';' read -ra benches <<<"${BENCH:-}"
 for bench in "${benches[@]}"; do

@@ -11,6 +11,7 @@
 #   OUT=$OUT SEED=5000 COUNT=5000 SANITIZER=0 bash tools/gpu/fuzz.sh
 #   OUT=$OUT COUNT=0 SANITIZER=40 bash tools/gpu/fuzz.sh  # memcheck over 40 configurations
 #
+# The device tool brings back at most 8 files from $OUT: run this with an OUT of its own.
 # COUNT (10000), SANITIZER (configurations under memcheck, 0), SEED (0: configuration i of a
 # run uses seed SEED + i, so runs with disjoint SEED ranges add up), BUDGET (seconds for the
 # CUDA configurations, 480: one call of the GPU machine is 600 s at most; the summary's
@@ -37,7 +38,21 @@ rc=$?
 python3 -m vidattn.fuzz --device cpu --count "${CPU_COUNT:-30}" --seed "${SEED:-0}" \
   --json "$OUT/fuzz-cpu.json" >"$OUT/fuzz-cpu.log" 2>&1
 rc_cpu=$?
-grep -E "^FUZZ" "$OUT/fuzz-cuda.log" | head -n 40
+# The failures by op, and the first few of each with their repro and the end of their
+# message: a harness bug that fails one op everywhere must not hide another op's failures.
+python3 - "$OUT/fuzz-cuda.json" <<'PY' || grep -E "^FUZZ" "$OUT/fuzz-cuda.log" | head -n 40
+import collections, json, sys
+failed = json.load(open(sys.argv[1]))["failed"]
+by_op = collections.defaultdict(list)
+for f in failed:
+    job = f["job"]
+    by_op[job.get("op") or job.get("type", "?")].append(f)
+for op, fs in sorted(by_op.items()):
+    print(f"FUZZ failures of {op}: {len(fs)}")
+    for f in fs[:5]:
+        detail = " ".join((f.get("detail") or "").split())
+        print(f"  {f['status']}: {f['repro']}\n    ...{detail[-240:]}")
+PY
 tail -n 1 "$OUT/fuzz-cuda.log"
 tail -n 1 "$OUT/fuzz-cpu.log"
 echo "fuzz cuda rc=$rc, cpu rc=$rc_cpu at $((SECONDS - t0))s"

@@ -256,7 +256,7 @@ def run_config(op: str, seed: int, device: str = "cpu") -> dict:
         S, V, T = tiling.padded_len, tiling.tile_volume, tiling.num_tiles
         topk = max(1, T // 3)
         bs = tiling.block_sizes.cpu()
-        valid = (torch.arange(V)[None, :] < bs.long()[:, None]).reshape(-1)
+        valid = ref.slot_mask(bs, V).reshape(-1)
         vmask = valid[None, :, None, None].double()
         inputs = [rn(1, S, hq, d) * vmask, rn(1, S, hkv, d) * vmask, rn(1, S, hkv, dv, scale=1.0) * vmask]
         gate = rn(1, S, hq, dv, scale=1.0) if cfg["gate"] else None

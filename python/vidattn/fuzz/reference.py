@@ -60,6 +60,11 @@ def block_sparse(q, k, v, idx, cnt, V, q_sizes, kv_sizes, scale):
     return attention(q, k, v, allowed.to(q.device), scale)
 
 
+def slot_mask(block_sizes, V):
+    """Bool [T, V] on the CPU: slot s of tile t holds a token (s < block_sizes[t])."""
+    return torch.arange(V)[None, :] < block_sizes.long().cpu()[:, None]
+
+
 def block_sparse_allowed(B, Hq, idx, cnt, V, q_sizes, kv_sizes):
     """Bool [B, Hq, Sq, Sk]: query slot i sees key slot j."""
     Qt, Kt = len(q_sizes), len(kv_sizes)
@@ -72,7 +77,7 @@ def block_sparse_allowed(B, Hq, idx, cnt, V, q_sizes, kv_sizes):
                 for s in range(int(cnt[b, h, t])):
                     kt = int(idx[b, h, t, s])
                     key_ok[b, h, t, kt] = slot < int(kv_sizes[kt])
-    q_ok = slot[None, :] < q_sizes.long()[:, None]  # [Qt, V]
+    q_ok = slot_mask(q_sizes, V)  # [Qt, V]
     allowed = key_ok.reshape(B, Hq, Qt, 1, Sk) & q_ok[None, None, :, :, None]
     return allowed.reshape(B, Hq, Sq, Sk)
 
@@ -80,7 +85,7 @@ def block_sparse_allowed(B, Hq, idx, cnt, V, q_sizes, kv_sizes):
 def pool(x, block_sizes, V, acc):
     B, S, H, D = x.shape
     T = S // V
-    valid = (torch.arange(V)[None, :] < block_sizes.long().cpu()[:, None]).to(x.device)
+    valid = slot_mask(block_sizes, V).to(x.device)
     xs = x.reshape(B, T, V, H, D).to(acc) * valid[None, :, :, None, None].to(acc)
     sizes = block_sizes.to(x.device, acc).clamp(min=1)
     return (xs.sum(2) / sizes[None, :, None, None]).to(x.dtype)
@@ -92,14 +97,14 @@ def vsa(q, k, v, block_sizes, V, idx, cnt, gate, scale):
     q_c, k_c, v_c = (pool(x, block_sizes, V, acc) for x in (q, k, v))
     T = q_c.shape[1]
     o_c = attention(q_c, k_c, v_c, torch.ones(1, 1, T, T, dtype=torch.bool, device=q.device), scale)
-    valid = (torch.arange(V)[None, :] < block_sizes.long().cpu()[:, None]).reshape(-1)
+    valid = slot_mask(block_sizes, V).reshape(-1)
     o_c = o_c.repeat_interleave(V, 1) * valid.to(q.device, q.dtype)[None, :, None, None]
     o_s = block_sparse(q, k, v, idx, cnt, V, block_sizes, block_sizes, scale)
     return (o_c * gate if gate is not None else o_c) + o_s
 
 
 def combine(fine, coarse, gate, block_sizes, V):
-    valid = (torch.arange(V)[None, :] < block_sizes.long().cpu()[:, None]).reshape(-1)
+    valid = slot_mask(block_sizes, V).reshape(-1)
     c = coarse.repeat_interleave(V, 1) * valid.to(fine.device, fine.dtype)[None, :, None, None]
     return fine + (c * gate if gate is not None else c)
 
@@ -177,7 +182,7 @@ def vsa_floors(q, k, v, dout, block_sizes, V, idx, cnt, gate, scale):
     fine = backward_floors(q, k, v, dout, block_sparse_allowed(
         B, Hq, idx, cnt, V, block_sizes, block_sizes), scale)
     T = len(block_sizes)
-    valid = (torch.arange(V)[None, :] < block_sizes.long().cpu()[:, None]).reshape(-1)
+    valid = slot_mask(block_sizes, V).reshape(-1)
     d_c = dout * (gate if gate is not None else 1.0) * valid.to(dout.device, dout.dtype)[
         None, :, None, None]
     d_c = d_c.reshape(B, T, V, Hq, -1).sum(2)

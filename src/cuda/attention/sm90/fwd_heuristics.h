@@ -39,11 +39,7 @@ using Sparse64CombineTraits = FwdTraits<CutlassElement<T>, sparse64_combine(D)>;
 
 // The same configuration as a padded instance (FwdConfig::padded_head_dim) when kPadded.
 template <class Traits, bool kPadded>
-struct WithPaddingOf {
-  using type = FwdTraits<typename Traits::Element, with_padding(Traits::kConfig, kPadded)>;
-};
-template <class Traits, bool kPadded>
-using WithPadding = typename WithPaddingOf<Traits, kPadded>::type;
+using WithPadding = FwdTraits<typename Traits::Element, with_padding(Traits::kConfig, kPadded)>;
 
 // The dense grid (the block-sparse kernels take stream items on a persistent grid instead):
 // one CTA per tile for long key sequences, a persistent grid of (SMs - sm_margin) CTAs for
