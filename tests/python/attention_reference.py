@@ -42,19 +42,19 @@ def reference_attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, scale=Non
 
 def flash_backward_floors(q, k, v, grad_out, *, scale=None, causal=False,
                           key_padding_mask=None, query_padding_mask=None):
-    """Extra floors (dq, dk, dv) for the two float32 roundings every flash-style backward makes
-    and eager PyTorch does not (vidattn.fuzz.reference.backward_floors says which); the
-    rule's "small floor for rounding", made explicit."""
+    """Extra floors (dq, dk, dv) for the roundings every flash-style backward makes and eager
+    PyTorch does not (vidattn.fuzz.reference.backward_floors says which; the output is
+    stored in q's dtype); the rule's "small floor for rounding", made explicit."""
     allowed = shipped.dense_allowed(q.shape[0], q.shape[1], k.shape[1], causal,
                                     key_padding_mask, query_padding_mask)
-    return shipped.backward_floors(q, k, v, grad_out, allowed, _scale(q, scale))
+    return shipped.backward_floors(q, k, v, grad_out, allowed, _scale(q, scale), q.dtype)
 
 
 def flash_backward_floors_varlen(q, k, v, grad_out, cu_seqlens_q, cu_seqlens_k, *,
                                  scale=None, causal=False):
     """flash_backward_floors over packed sequences: the largest per-sequence floors."""
     return shipped.varlen_floors(q, k, v, grad_out, cu_seqlens_q.tolist(),
-                                 cu_seqlens_k.tolist(), causal, _scale(q, scale))
+                                 cu_seqlens_k.tolist(), causal, _scale(q, scale), q.dtype)
 
 
 # ---- the accuracy rule ------------------------------------------------------------------

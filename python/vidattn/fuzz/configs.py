@@ -193,6 +193,7 @@ def run_config(op: str, seed: int, device: str = "cpu") -> dict:
     import vidattn
 
     cfg = draw(op, seed, device)
+    dtype = getattr(torch, cfg["dtype"])
     gen = torch.Generator().manual_seed(seed)
     s_in = cfg["scale_in"]
     hq, hkv, d, dv = cfg["hq"], cfg["hkv"], cfg["d"], cfg["dv"]
@@ -212,7 +213,7 @@ def run_config(op: str, seed: int, device: str = "cpu") -> dict:
                      key_padding_mask=None if kmask is None else kmask.to(device),
                      query_padding_mask=None if qmask is None else qmask.to(device)),
                  lambda q, k, v: ref.attention(q, k, v, allowed, sc),
-                 lambda xs, do: ref.backward_floors(*xs, do, allowed, sc))
+                 lambda xs, do: ref.backward_floors(*xs, do, allowed, sc, dtype))
     elif op == "varlen":
         lq, lk = cfg["lens_q"], cfg["lens_k"]
         cu_q = [0]
@@ -228,7 +229,7 @@ def run_config(op: str, seed: int, device: str = "cpu") -> dict:
                  lambda q, k, v: vidattn.attention_varlen(
                      q, k, v, cq, ck, max(lq), max(lk), causal=cfg["causal"]),
                  lambda q, k, v: ref.varlen(q, k, v, cu_q, cu_k, cfg["causal"], sc),
-                 lambda xs, do: ref.varlen_floors(*xs, do, cu_q, cu_k, cfg["causal"], sc))
+                 lambda xs, do: ref.varlen_floors(*xs, do, cu_q, cu_k, cfg["causal"], sc, dtype))
     elif op == "block_sparse":
         b, V, qt, kt = cfg["b"], cfg["volume"], cfg["q_tiles"], cfg["kv_tiles"]
         q_sizes = torch.randint(0, V + 1, (qt,), generator=gen, dtype=torch.int32)
@@ -250,7 +251,8 @@ def run_config(op: str, seed: int, device: str = "cpu") -> dict:
                      q_block_sizes=q_sizes.to(device), kv_block_sizes=kv_sizes.to(device)),
                  lambda q, k, v: ref.block_sparse(q, k, v, idx, cnt, V, q_sizes, kv_sizes, sc),
                  lambda xs, do: ref.backward_floors(
-                     *xs, do, ref.block_sparse_allowed(b, hq, idx, cnt, V, q_sizes, kv_sizes), sc))
+                     *xs, do, ref.block_sparse_allowed(b, hq, idx, cnt, V, q_sizes, kv_sizes), sc,
+                     dtype))
     elif op == "vsa":
         tiling = vidattn.VideoTiling(cfg["grid"], (4, 4, 4), device=device)
         S, V, T = tiling.padded_len, tiling.tile_volume, tiling.num_tiles
@@ -276,7 +278,7 @@ def run_config(op: str, seed: int, device: str = "cpu") -> dict:
 
         def floors(xs, do):
             return ref.vsa_floors(xs[0], xs[1], xs[2], do, bs, V, sel["idx"], sel["cnt"],
-                                  xs[3] if len(xs) > 3 else None, sc)
+                                  xs[3] if len(xs) > 3 else None, sc, dtype)
 
         _compare(f"vsa{cfg}", cfg, device, inputs, kernel, reference, floors)
     elif op == "combine":
@@ -296,7 +298,6 @@ def run_config(op: str, seed: int, device: str = "cpu") -> dict:
         if not cfg["half"]:  # full-width tables repeat each pair's angle
             ang = ang[:, : d // 2]
             ang = ang.repeat_interleave(2, -1) if cfg["interleaved"] else torch.cat([ang, ang], -1)
-        dtype = getattr(torch, cfg["dtype"])
         tab_dtype = torch.float64 if dtype == torch.float64 else torch.float32
         cos, sin = ang.cos(), ang.sin()
         cosk, sink = cos.to(device, tab_dtype), sin.to(device, tab_dtype)

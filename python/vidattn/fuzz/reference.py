@@ -129,7 +129,7 @@ def default_scale(q):
 
 
 @torch.no_grad()
-def backward_floors(q, k, v, dout, allowed, scale):
+def backward_floors(q, k, v, dout, allowed, scale, out_dtype=None):
     """Floors (dq, dk, dv), scalars, for the float32 roundings a flash-style backward makes and
     the plain autograd baseline does not (docs/conventions.md, accuracy rule):
     1. dS = P * (dP - delta) with delta = rowsum(dO * O) from the stored output: where the
@@ -137,6 +137,11 @@ def backward_floors(q, k, v, dout, allowed, scale):
        (|V_j| + |O|) of noise, which the baseline, differentiating softmax directly, does not.
     2. P recomputed as exp(S - LSE) from a float32 LSE: a relative error eps32 * |LSE| in
        every probability of the row.
+    3. With out_dtype (the kernel's dtype), delta from the output as stored, rounded to that
+       dtype: delta moves by rowsum(dO * (round(O) - O)), computed here exactly. Where a row
+       is nearly one-hot (large logits) dP - delta is that small too, and the shift is all
+       of dS; every flash-style backward (FlashAttention, cuDNN) makes it, the baseline,
+       differentiating softmax from P, does not.
     Each is carried through dQ = scale dS K, dK = scale dS^T Q, dV = P^T dO in magnitudes.
     Inputs in float64; allowed broadcastable to [B, Hq, Sq, Sk]."""
     q, k, v, dout = (t.double() for t in (q, k, v, dout))
@@ -158,29 +163,33 @@ def backward_floors(q, k, v, dout, allowed, scale):
     delta = (dout * out).sum(-1).transpose(1, 2)[..., None]
     w = p * eps * torch.where(torch.isfinite(lse), lse.abs(), 0.0)
     ds = 2 * eps * p * a + w * (dp - delta).abs()
+    if out_dtype is not None and out_dtype != torch.float64:
+        stored = out.to(out_dtype).double()
+        shift = (dout * (stored - out)).sum(-1).abs().transpose(1, 2)[..., None]
+        ds = ds + p * shift
     dq = abs(scale) * torch.einsum("bhij,bjhd->bihd", ds, kh.abs())
     dk = (abs(scale) * torch.einsum("bhij,bihd->bjhd", ds, q.abs())).unflatten(2, (-1, g)).sum(3)
     dv = torch.einsum("bhij,bihd->bjhd", w, adout).unflatten(2, (-1, g)).sum(3)
     return tuple(t.max().item() if t.numel() else 0.0 for t in (dq, dk, dv))
 
 
-def varlen_floors(q, k, v, dout, cu_q, cu_k, causal, scale):
+def varlen_floors(q, k, v, dout, cu_q, cu_k, causal, scale, out_dtype=None):
     """backward_floors per packed sequence: the largest of each."""
     fl = [backward_floors(q[None, cu_q[i]:cu_q[i + 1]], k[None, cu_k[i]:cu_k[i + 1]],
                           v[None, cu_k[i]:cu_k[i + 1]], dout[None, cu_q[i]:cu_q[i + 1]],
                           dense_allowed(1, cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i], causal,
-                                        None, None), scale)
+                                        None, None), scale, out_dtype)
           for i in range(len(cu_q) - 1)]
     return tuple(max((f[j] for f in fl), default=0.0) for j in range(3))
 
 
-def vsa_floors(q, k, v, dout, block_sizes, V, idx, cnt, gate, scale):
+def vsa_floors(q, k, v, dout, block_sizes, V, idx, cnt, gate, scale, out_dtype=None):
     """VSA's gradient floors: the fine branch's (block-sparse) plus the coarse branch's, on
     the pooled tensors with the gradient the coarse output receives (a token's share of a
     pooled gradient is at most the whole of it)."""
     B, Hq = q.shape[0], q.shape[2]
     fine = backward_floors(q, k, v, dout, block_sparse_allowed(
-        B, Hq, idx, cnt, V, block_sizes, block_sizes), scale)
+        B, Hq, idx, cnt, V, block_sizes, block_sizes), scale, out_dtype)
     T = len(block_sizes)
     valid = slot_mask(block_sizes, V).reshape(-1)
     d_c = dout * (gate if gate is not None else 1.0) * valid.to(dout.device, dout.dtype)[
@@ -188,5 +197,6 @@ def vsa_floors(q, k, v, dout, block_sizes, V, idx, cnt, gate, scale):
     d_c = d_c.reshape(B, T, V, Hq, -1).sum(2)
     pooled = [pool(x, block_sizes, V, torch.float64) for x in (q, k, v)]
     coarse = backward_floors(*pooled, d_c,
-                             torch.ones(1, 1, T, T, dtype=torch.bool, device=q.device), scale)
+                             torch.ones(1, 1, T, T, dtype=torch.bool, device=q.device), scale,
+                             out_dtype)
     return tuple(f + c for f, c in zip(fine, coarse))
