@@ -6,12 +6,10 @@ Each test runs an op twice, on clean inputs and with NaN planted, and checks tha
 elements are exactly the expected ones and that every other element is bit-identical to the
 clean run (rows are computed independently, in the same blocks and order). Parametrized over
 CPU and CUDA (skipped without a GPU); on CUDA the 16-bit dtypes, on the CPU float32 and bf16.
-The Hopper cases the rule lists as not yet isolated by a kernel are marked xfail (not strict)
-with the reason; on the portable kernels they must pass.
+Every backend and kernel must pass each case: the Hopper kernels zero the rows a block loads
+past its valid keys before a product reads them, as the portable ones zero-fill them.
 """
 from __future__ import annotations
-
-import os
 
 import pytest
 import torch
@@ -31,14 +29,6 @@ def dtype_of(device):
 
 def is_hopper():
     return HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
-
-
-def known_gap(request, device, why):
-    """The rule's listed Hopper exceptions (docs/conventions.md, 'Where a kernel does not yet
-    isolate'): the sm_90a kernels may fail these until they change; the portable kernels
-    zero-fill the rows past a block's valid ones and must pass."""
-    if device == "cuda" and is_hopper() and os.environ.get("VIDATTN_DISABLE_SM90") != "1":
-        request.applymarker(pytest.mark.xfail(reason=why, strict=False))
 
 
 def rand(gen, *shape, device, dtype=None):
@@ -180,7 +170,7 @@ def test_dense_padded_query_is_never_read(device, backward, gen):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backward", [False, True])
-def test_varlen_nan_stays_in_its_sequence(request, device, backward, gen):
+def test_varlen_nan_stays_in_its_sequence(device, backward, gen):
     lens = [70, 0, 130, 45]
     cu = torch.tensor([0, 70, 70, 200, 245], dtype=torch.int32, device=device)
     T = 245
@@ -189,8 +179,6 @@ def test_varlen_nan_stays_in_its_sequence(request, device, backward, gen):
     qn[5, 0, 3] = NAN    # sequence 0, row 5, head 0
     kn[150, 1, 0] = NAN  # sequence 2, kv head 1
     vn[70] = NAN         # first row of sequence 2: the neighbour of sequence 0's last block
-    if device == "cuda":
-        known_gap(request, device, "a varlen sequence's last key block may read the next one's v")
 
     def run(q, k, v):
         q, k, v = (x.detach().clone().requires_grad_(backward) for x in (q, k, v))
@@ -262,10 +250,8 @@ def test_block_sparse_nan_reaches_selecting_tiles_only(device, backward, gen):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backward", [False, True])
-def test_block_sparse_padding_and_unselected_tiles_are_never_read(request, device, backward,
-                                                                  gen):
+def test_block_sparse_padding_and_unselected_tiles_are_never_read(device, backward, gen):
     q, k, v, dout, idx, cnt, qs, ks = sparse_case(device, gen)
-    known_gap(request, device, "block-sparse kernels multiply padded / stale v rows by P = 0")
     qn, kn, vn = q.clone(), k.clone(), v.clone()
     qn[0, 64 + 50:128] = NAN          # padded query slots of tile 1
     kn[0, 2 * 64 + 40:192] = NAN      # padded key slots of tile 2
@@ -338,9 +324,8 @@ def test_vsa_combine_nan_in_gate_or_fine(device, gen):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backward", [False, True])
-def test_vsa_padded_slots_are_never_read(request, device, backward, gen):
+def test_vsa_padded_slots_are_never_read(device, backward, gen):
     # Pooling, the coarse branch, the selection and the fine branch all skip padded slots.
-    known_gap(request, device, "sm_90a block-sparse kernels multiply padded v rows by P = 0")
     t, q, k, v, g = vsa_case(device, gen, gate=True)
     pad = 64 + 60  # tile 1 has 48 valid slots
 

@@ -109,13 +109,7 @@ ENTRIES = [
     Entry("nan.masked_key_ignored", "m = torch.ones(B, S, dtype=torch.bool, device=dev); m[:, 4] = False\n"
           "k2, v2 = k.clone(), v.clone(); k2[:, 4] = nan; v2[:, 4] = nan\n"
           "assert vidattn.attention(q, k2, v2, key_padding_mask=m).isfinite().all()", kind=OK),
-    Entry("nan.varlen_other_sequence", VARLEN_OTHER_SEQUENCE, kind=OK, devices=("cpu",)),
-    # The sm_90a varlen forward loads a sequence's last key block with rows of the next
-    # sequence beside it (docs/conventions.md, "Where a kernel does not yet isolate"); the
-    # portable kernels of other GPUs pass (reported as an unexpected pass there).
-    Entry("nan.varlen_other_sequence_cuda", VARLEN_OTHER_SEQUENCE, kind=OK, devices=("cuda",),
-          expect_fail="the Hopper varlen forward reads the next sequence's rows in a "
-                      "sequence's last key block (docs/conventions.md)"),
+    Entry("nan.varlen_other_sequence", VARLEN_OTHER_SEQUENCE, kind=OK),
     Entry("empty.batch0", "o = vidattn.attention(q[:0], k[:0], v[:0]); assert o.shape == (0, S, H, D)", kind=OK),
     Entry("empty.sk0", "o, l = vidattn.attention(q, k[:, :0], v[:, :0], return_lse=True); assert (o == 0).all() and (l == float('-inf')).all()", kind=OK),
     Entry("empty.sq0", "o = vidattn.attention(q[:, :0], k, v); assert o.shape == (B, 0, H, D)", kind=OK),

@@ -74,27 +74,6 @@ __device__ __forceinline__ void dkdv_producer(const BwdKernelParams<Traits>& p,
   }
 }
 
-// tid: the thread's index among the consumer threads (0 .. 255).
-// Rows [valid, kCols) of slot s's Q and dO to zero, by the warpgroups that read the slot
-// (one with two streams, both with one), which then wait for each other: no product reads
-// the slot before every write is done and made visible to wgmma (the async proxy).
-template <class Traits, class TensorQ, class TensorO>
-__device__ __forceinline__ void zero_tail_rows(TensorQ& sQ, TensorO& sdO, int s, int valid,
-                                               int stream, int tid) {
-  using namespace cute;
-  constexpr int kChunks = Traits::kHeadDim / 8;  // 16-byte chunks per row
-  constexpr int kReaders = Traits::kSlotReleases;  // threads reading the slot
-  const int t = Traits::kStreams == 1 ? tid : tid % 128;
-  for (int i = t; i < (Traits::kCols - valid) * kChunks; i += kReaders) {
-    const int r = valid + i / kChunks, c = 8 * (i % kChunks);
-    *reinterpret_cast<uint4*>(&sQ(r, c, s)) = make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(&sdO(r, c, s)) = make_uint4(0, 0, 0, 0);
-  }
-  cutlass::arch::fence_view_async_shared();
-  // Named barriers 1 (one stream) or 1 + stream (two); 0 is __syncthreads.
-  named_barrier_sync(1 + (Traits::kStreams == 1 ? 0 : stream), kReaders);
-}
-
 // k0: the CTA's first key; the stream's tile starts at k0 + row0.
 template <class Traits, class Visit>
 __device__ __forceinline__ void dkdv_consumer(const BwdKernelParams<Traits>& p,
@@ -157,6 +136,22 @@ __device__ __forceinline__ void dkdv_consumer(const BwdKernelParams<Traits>& p,
 
   const int n = visit.num_blocks();
   if (n > 0) Barrier::wait(&st.rows_full, 0);
+  if constexpr (Traits::kFusedDq) {
+    // The dQ product reads every stationary K row: the rows of keys that take no part (past
+    // the sequence, padded slots, masked) to zero, since dS = 0 times a non-finite K is NaN.
+    // One row per thread at most (kRows <= 256 threads).
+    if (n > 0) {
+      static_assert(Traits::kRows <= 128 * Traits::kConsumerWGs);
+      if (tid < Traits::kRows &&
+          (k0 + tid >= seq.len_k || visit.key_dropped(k0 + tid))) {
+#pragma unroll
+        for (int c = 0; c < D; c += 8)
+          *reinterpret_cast<uint4*>(&sK(tid, c)) = make_uint4(0, 0, 0, 0);
+      }
+      cutlass::arch::fence_view_async_shared();
+      named_barrier_sync(kBarDeadKeyRows, 128 * Traits::kConsumerWGs);
+    }
+  }
   RingState<Traits::kStages> ring;
   for (int i = 0; i < n; ++i) {
     const QueryBlock qb = visit.next();

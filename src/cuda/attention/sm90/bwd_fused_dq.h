@@ -28,6 +28,9 @@ namespace vidattn::cuda_sm90 {
 // split each warpgroup has its own pair.
 constexpr int kBarDsReady = 3;
 constexpr int kBarDqReady = 5;
+// The stationary K rows of keys that take no part, zeroed before the first block (bwd_dkdv.h);
+// 2 is the second stream's tail zeroing, and a fused dQ runs one stream.
+constexpr int kBarDeadKeyRows = 2;
 
 __device__ __forceinline__ void bulk_reduce_add_f32(float* gmem, const float* smem,
                                                     std::uint32_t bytes) {

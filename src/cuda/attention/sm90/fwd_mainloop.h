@@ -274,6 +274,38 @@ struct PingPong {
   }
 };
 
+// Zeros the rows of V slot `stage` past a block's valid keys (rows [valid, kBlockN), or with
+// halves [valid, kBlockN / 2) and [kBlockN / 2 + valid_hi, kBlockN)), then makes the stores
+// visible to wgmma and waits for the `threads` threads that share the slot's product (named
+// barrier `bar`); t: the thread's index among them. See tail_rows_need_zeros (key_visit.h).
+// The addresses are written out (as fwd_output_stsm.h does) rather than taken from the cute
+// layout, whose swizzle costs registers where O is live: a slot's 64-column chunks lie
+// kBlockN x 128 bytes apart, its rows 128 bytes apart, and a row's 16-byte piece j sits at
+// j ^ (row % 8) (fwd_traits.h asserts the layout).
+template <class Traits, bool kHalves>
+__device__ __forceinline__ void zero_v_tail_rows(typename Traits::Element* v, int stage,
+                                                 int valid, int valid_hi, int t, int threads,
+                                                 int bar) {
+  constexpr int kChunks = Traits::kHeadDimV / 8;  // 16-byte pieces per row
+  constexpr int kRows = Traits::kBlockN, kHalf = kHalves ? kRows / 2 : kRows;
+  const int n0 = kHalf - valid;
+  const int n1 = kHalves ? kHalf - valid_hi : 0;
+  char* slot = reinterpret_cast<char*>(v) + stage * (kRows * Traits::kHeadDimV * 2);
+  for (int i = t; i < (n0 + n1) * kChunks; i += threads) {
+    const int k = i / kChunks, j = i % kChunks;
+    const int r = k < n0 ? valid + k : kHalf + valid_hi + (k - n0);
+    char* piece = slot + (j / 8) * (kRows * 128) + r * 128 + 16 * ((j % 8) ^ (r % 8));
+    *reinterpret_cast<uint4*>(piece) = make_uint4(0u, 0u, 0u, 0u);
+  }
+  cutlass::arch::fence_view_async_shared();
+  named_barrier_sync(bar, threads);
+}
+
+// Named barriers of the consumers (0 is __syncthreads): 2 the split pieces' combination,
+// 4 + warpgroup the output store and a split piece's V zeros (one warpgroup each), 8 and up
+// the warpgroups' turns (PingPong), 14 + stream a stream's V zeros (its warpgroups).
+constexpr int kBarStreamZeros = 14;
+
 // tid: the thread's index among the stream's consumer threads.
 template <class Traits, class Visit>
 __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
@@ -296,6 +328,20 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
   Tensor sQ = make_tensor(make_smem_ptr(st.q.data()), typename Traits::SmemLayoutQ{});
   Tensor sK = make_tensor(make_smem_ptr(st.k.data()), typename Traits::SmemLayoutK{});
   Tensor sVt = make_tensor(make_smem_ptr(st.v.data()), typename Traits::SmemLayoutVt{});
+  // A block's tail rows as the V zeros need them: valid | valid_hi << 16, or -1 when the block
+  // needs none.
+  auto v_tail = [&](const KeyBlock& b) {
+    return tail_rows_need_zeros<Visit>(p.attn, b.valid, b.valid_hi) ? b.valid | b.valid_hi << 16
+                                                                     : -1;
+  };
+  // Zeros block `tail`'s V rows in slot `stage` with the stream's warpgroups (all of them run
+  // every block's P V).
+  auto zero_v_tail = [&](int stage, int tail) {
+    if (tail >= 0)
+      zero_v_tail_rows<Traits, Visit::kHalves>(st.v.data(), stage, tail & 0xffff, tail >> 16,
+                                               tid, 128 * Traits::kWGPerStream,
+                                               kBarStreamZeros + stream);
+  };
   Tensor tSrQ = wg_qk.partition_fragment_A(sQ);   // smem descriptors
   Tensor tSrK = wg_qk.partition_fragment_B(sK);   // (mma, n, k, stage)
   Tensor tOrV = wg_pv.partition_fragment_B(sVt);  // (mma, d, keys, stage)
@@ -471,6 +517,10 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
           }
           convert_p(tOrP32);
           Barrier::wait(&st.v_full[vs.stage], vs.phase);
+          // This warpgroup alone reads the block's V.
+          if (tail_rows_need_zeros<Visit>(p.attn, b.valid, b.valid_hi))
+            zero_v_tail_rows<Traits, Visit::kHalves>(st.v.data(), vs.stage, b.valid, b.valid_hi,
+                                                     tid % 128, 128, 4 + wg);
           if constexpr (Traits::kOneBlock) clear(tOrO);  // see the tile's last P V below
           warpgroup_fence_operand(tOrP);
           warpgroup_gemm(mma_pv, tOrP, v_slot(vs.stage), tOrO, first);
@@ -509,6 +559,10 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
     softmax.template update<true>(tSrS, alpha);
     convert_p(tOrP32);
     RingState<Traits::kStagesV> prev = v_ring();  // V of the block whose P V is next
+    // Its rows to zero (v_tail), kept through the loop where any block may be partial; a
+    // masked-suffix policy's (dense) only partial block is the last, zeroed after the loop.
+    int prev_tail = -1;
+    if constexpr (!Visit::kMaskedSuffix) prev_tail = v_tail(kb);
     advance_rings();
 
     // Block i: its S and the P V product of block i - 1 are issued together; the softmax of
@@ -525,6 +579,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       KeyBlock b;
       if constexpr (kMaskMode != 0) b = landed_block(i, ring.stage);
       Barrier::wait(&st.v_full[prev.stage], prev.phase);
+      if constexpr (kMaskMode == 2) zero_v_tail(prev.stage, prev_tail);
       turns.wait_turn();
       warpgroup_gemm(mma_qk, tSrQ, k_slot(ring.stage), tSrS, true);
       warpgroup_fence_operand(p_cur);
@@ -566,6 +621,7 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
         convert_p(p_next32);
       }
       prev = v_ring();
+      if constexpr (kMaskMode == 2) prev_tail = v_tail(b);
       advance_rings();
     };
     // Blocks [i, end), leaving the last one's P in the first operand.
@@ -603,6 +659,8 @@ __device__ __forceinline__ void consumer_loop(const FwdKernelParams<Traits>& p,
       run_steps(i, n, cute::Int<2>{});
     }
     Barrier::wait(&st.v_full[prev.stage], prev.phase);
+    if constexpr (Visit::kMaskedSuffix) prev_tail = v_tail(visit.block(n - 1));
+    zero_v_tail(prev.stage, prev_tail);
     // kOneBlock: O defined here, so that the product's operand fence does not keep the last
     // tile's O live through this tile's S (64 + 64 values and P: past 160 registers, and
     // ptxas serialises the wgmma).

@@ -181,6 +181,12 @@ struct FwdTraits {
   static_assert(SmemLayoutK{}(cute::make_coord(16, 0, 0)) == 16 * 64);
   static_assert(kHeadDim == 64 ||
                 SmemLayoutK{}(cute::make_coord(0, 64, 0)) == kBlockN * 64);
+  // The same for V, whose tail rows the consumers zero by address (zero_v_tail_rows).
+  static_assert(SmemLayoutV{}(cute::make_coord(16, 0, 0)) == 16 * 64 &&
+                (kHeadDimV == 64 ||
+                 SmemLayoutV{}(cute::make_coord(0, 64, 0)) == kBlockN * 64) &&
+                SmemLayoutV{}(cute::make_coord(0, 0, kStagesV - 1)) ==
+                    (kStagesV - 1) * kBlockN * kHeadDimV);
   // O staged for the TMA store: one 64-row slot per warpgroup of the stream.
   using SmemLayoutO = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::Shape<cute::_64, cute::Int<kHeadDimV>, cute::Int<kWGPerStream>>{}));

@@ -261,4 +261,19 @@ __device__ __forceinline__ void apply_mask(Frag& s, const Coords& coords, const 
   }
 }
 
+// Whether the rows of a loaded block past its valid keys (per half with kHalves) must be
+// zeroed before a product reads them (docs/conventions.md, non-finite values): masking makes
+// their probabilities exactly 0, but 0 times a non-finite value is NaN. They hold the next
+// sequence's keys (varlen), a key tile's padded slots, or rows an earlier block left in the slot
+// (block-sparse prefix loads). Rows past a batched sequence lie outside the TMA view and
+// arrive as zeros already.
+template <class Visit>
+__device__ __forceinline__ bool tail_rows_need_zeros(const AttentionParams& a, int valid,
+                                                     int valid_hi) {
+  constexpr int kRows = Visit::kBlockKeys;
+  if constexpr (Visit::kHalves) return valid < kRows / 2 || valid_hi < kRows / 2;
+  else if constexpr (Visit::kElementMask) return a.varlen && valid < kRows;  // DenseVisit
+  else return valid < kRows;
+}
+
 }  // namespace vidattn::cuda_sm90
