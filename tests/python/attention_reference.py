@@ -21,7 +21,7 @@ from vidattn.fuzz.configs import ulp_floor
 
 
 def _scale(q, scale):
-    return q.shape[-1] ** -0.5 if scale is None else scale
+    return shipped.default_scale(q) if scale is None else scale
 
 
 def reference_attention(q, k, v, *, scale=None, causal=False, key_padding_mask=None,

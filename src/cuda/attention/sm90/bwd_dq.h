@@ -127,6 +127,7 @@ __device__ __forceinline__ void dq_consumer(const BwdKernelParams<Traits>& p,
     if constexpr (Visit::kKeyFlags) kb.key_flags = visit.lane_key_flags(kb.start);
     const int s = warp_uniform(stream * Traits::kStages + ring.stage);
     Barrier::wait(&st.full[s], ring.phase);
+    static_assert(!Visit::kHalves, "zero_tail_rows zeroes one tail, not a half block's two");
     if (tail_rows_need_zeros<Visit>(a, kb.valid, kb.valid_hi))
       zero_tail_rows<Traits>(sK, sV, s, kb.valid, stream, tid);
     warpgroup_gemm(mma_ss, tSrQ, tSrK(_, _, _, s), tSrS, true);
