@@ -220,7 +220,7 @@ bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
     }
     using OneBlock = WithPadding<launch_detail::DenseOneBlockTraits<T, D>, kPadded>;
     if (p.seqlen_k <= OneBlock::kBlockN &&  // kOneBlock runs one key block per tile
-        (D == 64 || launch_detail::dense128_short_fits<T>(p)))
+        (D == 64 || launch_detail::dense_short_fits<T, D>(p)))
       return launch_detail::launch<OneBlock, DenseVisit<OneBlock::kBlockN>>(
           p, SparseKeyListArgs{}, stream);
     if constexpr (D == 64) {
@@ -228,8 +228,8 @@ bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
       return launch_detail::launch<Wide, DenseVisit<Wide::kBlockN>>(p, SparseKeyListArgs{},
                                                                        stream);
     } else {
-      if (launch_detail::dense128_short_fits<T>(p)) {
-        using Short = WithPadding<launch_detail::Dense128ShortTraits<T>, kPadded>;
+      if (launch_detail::dense_short_fits<T, D>(p)) {
+        using Short = WithPadding<launch_detail::DenseShortTraits<T, D>, kPadded>;
         return launch_detail::launch<Short, DenseVisit<Short::kBlockN>>(
             p, SparseKeyListArgs{}, stream);
       }
