@@ -76,6 +76,7 @@ TEST(HeadDimsDispatch, HopperForwardTakesEveryPairPast64WithAGeneratedInstance) 
   // dense forward.
   const std::set<std::tuple<int, int, bool>> generated = {
       {64, 64, false}, {128, 128, false}, {96, 96, true}, {128, 128, true},
+      {128, 64, true}, {64, 128, true},
       {192, 192, true}, {192, 128, true}, {256, 256, true}};
   for (std::int64_t d = 8; d <= 256; d += 8) {
     for (std::int64_t dv = 8; dv <= 256; dv += 8) {

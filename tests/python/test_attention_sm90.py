@@ -74,8 +74,9 @@ def test_sm90_forward_matches_reference(case, input_scale):
 # 96 (64-byte swizzle atoms) and 128 the configurations of D = 128 (one key block at <= 128
 # keys, three warpgroups at <= 512, the persistent grid, CTA pairs past 24576 keys), above 128
 # the one of dense_wide (64-key blocks; TMA-stored output at 192, the threads' stores at 256);
-# Dv != D both ways, and the instance of D = 192 with v and out 128 wide (128 < D <= 192 with
-# Dv <= 128).
+# Dv != D both ways (up to 128 on the instances of widths 128 / 64 and 64 / 128, which take
+# D = 128's paths except the CTA pairs), and the instance of D = 192 with v and out 128 wide
+# (128 < D <= 192 with Dv <= 128).
 PADDED_CASES = [  # B, Sq, Sk, Hq, Hkv, D, Dv, dtype, causal
     (2, 700, 1500, 4, 2, 96, 96, torch.bfloat16, False),
     (1, 1000, 1000, 4, 4, 72, 72, torch.float16, True),
@@ -88,6 +89,11 @@ PADDED_CASES = [  # B, Sq, Sk, Hq, Hkv, D, Dv, dtype, causal
     (1, 500, 1300, 4, 4, 104, 104, torch.float16, False),
     (1, 500, 500, 4, 4, 128, 64, torch.bfloat16, False),
     (1, 500, 520, 4, 4, 64, 128, torch.float16, True),
+    (1, 300, 100, 4, 2, 128, 64, torch.bfloat16, False),
+    (1, 384, 300, 66, 6, 64, 128, torch.float16, False),
+    (1, 384, 300, 66, 6, 120, 56, torch.bfloat16, False),
+    (1, 600, 2000, 4, 4, 128, 64, torch.float16, False),
+    (1, 256, 24700, 2, 2, 40, 128, torch.bfloat16, False),
     (1, 800, 900, 4, 2, 192, 128, torch.bfloat16, False),
     (1, 400, 650, 4, 2, 160, 96, torch.float16, True),
     (1, 700, 2100, 4, 4, 192, 192, torch.float16, True),
@@ -113,7 +119,8 @@ def test_sm90_padded_head_dims_match_reference(case, input_scale):
 # Key and query padding masks at padded widths: packed as varlen when D = Dv and not causal,
 # the masked instance otherwise (Dv != D: the packing copies k and v at one width; causal).
 @pytest.mark.parametrize("D,Dv,causal", [(96, 96, False), (192, 128, False), (256, 256, False),
-                                         (80, 80, True), (256, 256, True)])
+                                         (80, 80, True), (256, 256, True), (128, 64, False),
+                                         (48, 128, True)])
 def test_sm90_padded_head_dims_with_padding_masks(D, Dv, causal):
     seed = zlib.crc32(repr(("padded masks", D, Dv, causal)).encode())
     g = gen(seed)

@@ -52,9 +52,11 @@ inline bool sm90_dense_forward_head_dims(std::int64_t d, std::int64_t dv) {
 // for a (dtype, D, Dv) that sm90_dense_forward_head_dims admits: the exact instance, else the
 // padded one of width W = Wv = the smallest of 96, 128, 192, 256 that is >= max(D, Dv), except
 // that 128 < D <= 192 with Dv <= 128 takes W = 192, Wv = 128 (a third less P V work than
-// 192 for both; D = 192 / Dv = 128 is a common pair). The 96-wide tile (64-byte swizzle
-// atoms, fwd_traits.h) serves the field's 72, 80 and 96 with a quarter fewer products than
-// the 128 tile. Keep in step with tools/codegen/gen_sm90_instances.py.
+// 192 for both; D = 192 / Dv = 128 is a common pair), and that up to 128 a width of 64 for
+// the narrower operand pair where it fits (W = 128 / Wv = 64, W = 64 / Wv = 128: half of one
+// product skipped). The 96-wide tile (64-byte swizzle atoms, fwd_traits.h) serves the field's
+// 72, 80 and 96 with a quarter fewer products than the 128 tile. Keep in step with
+// tools/codegen/gen_sm90_instances.py.
 template <class Fn>
 void dispatch_sm90_dense_forward_head_dims(DType dtype, std::int64_t d, std::int64_t dv,
                                            Fn&& fn) {
@@ -69,6 +71,8 @@ void dispatch_sm90_dense_forward_head_dims(DType dtype, std::int64_t d, std::int
     if (d == dv && m == 64) return fn(T{}, I64{}, std::false_type{}, I64{});
     if (d == dv && m == 128) return fn(T{}, I128{}, std::false_type{}, I128{});
     if (m <= 96) return fn(T{}, I96{}, std::true_type{}, I96{});
+    if (m <= 128 && dv <= 64) return fn(T{}, I128{}, std::true_type{}, I64{});
+    if (m <= 128 && d <= 64) return fn(T{}, I64{}, std::true_type{}, I128{});
     if (m <= 128) return fn(T{}, I128{}, std::true_type{}, I128{});
     if (m <= 192 && dv <= 128) return fn(T{}, I192{}, std::true_type{}, I128{});
     if (m <= 192) return fn(T{}, I192{}, std::true_type{}, I192{});

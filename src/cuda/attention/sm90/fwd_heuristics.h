@@ -37,9 +37,10 @@ using Sparse64Traits = FwdTraits<CutlassElement<T>, sparse64(D)>;
 template <class T, int D>
 using Sparse64CombineTraits = FwdTraits<CutlassElement<T>, sparse64_combine(D)>;
 
-// The same configuration as a padded instance (FwdConfig::padded_head_dim) when kPadded.
-template <class Traits, bool kPadded>
-using WithPadding = FwdTraits<typename Traits::Element, with_padding(Traits::kConfig, kPadded)>;
+// The same configuration with q / k D and v / out Dv wide, padded when kPadded (with_widths).
+template <class Traits, int D, int Dv, bool kPadded>
+using WithWidths =
+    FwdTraits<typename Traits::Element, with_widths(Traits::kConfig, D, Dv, kPadded)>;
 
 // The dense grid (the block-sparse kernels take stream items on a persistent grid instead):
 // one CTA per tile for long key sequences, a persistent grid of (SMs - sm_margin) CTAs for
