@@ -54,9 +54,12 @@ inline bool sm90_dense_forward_head_dims(std::int64_t d, std::int64_t dv) {
 // that 128 < D <= 192 with Dv <= 128 takes W = 192, Wv = 128 (a third less P V work than
 // 192 for both; D = 192 / Dv = 128 is a common pair), and that up to 128 a width of 64 for
 // the narrower operand pair where it fits (W = 128 / Wv = 64, W = 64 / Wv = 128: half of one
-// product skipped). The 96-wide tile (64-byte swizzle atoms, fwd_traits.h) serves the field's
-// 72, 80 and 96 with a quarter fewer products than the 128 tile. Keep in step with
-// tools/codegen/gen_sm90_instances.py.
+// product skipped). The 96-wide tile (64-byte swizzle atoms, fwd_traits.h) serves 80 and 96
+// with a quarter fewer products than the 128 tile: +10-16% at 96 (H100, 4096-32760 tokens,
+// cross attention to 257 / 512 keys). Only where both dims are multiples of 16: at 72 (rows of
+// 144 bytes, every other one starting mid-sector, read in 64-byte boxes) it ran 6% behind the
+// 128 tile at 4096 tokens and on cross attention, +10% only on 32K-token self attention.
+// Keep in step with tools/codegen/gen_sm90_instances.py.
 template <class Fn>
 void dispatch_sm90_dense_forward_head_dims(DType dtype, std::int64_t d, std::int64_t dv,
                                            Fn&& fn) {
@@ -70,7 +73,7 @@ void dispatch_sm90_dense_forward_head_dims(DType dtype, std::int64_t d, std::int
     const std::int64_t m = d > dv ? d : dv;
     if (d == dv && m == 64) return fn(T{}, I64{}, std::false_type{}, I64{});
     if (d == dv && m == 128) return fn(T{}, I128{}, std::false_type{}, I128{});
-    if (m <= 96) return fn(T{}, I96{}, std::true_type{}, I96{});
+    if (m <= 96 && d % 16 == 0 && dv % 16 == 0) return fn(T{}, I96{}, std::true_type{}, I96{});
     if (m <= 128 && dv <= 64) return fn(T{}, I128{}, std::true_type{}, I64{});
     if (m <= 128 && d <= 64) return fn(T{}, I64{}, std::true_type{}, I128{});
     if (m <= 128) return fn(T{}, I128{}, std::true_type{}, I128{});
