@@ -95,8 +95,10 @@ BwdKernelParams<Traits> dq_params(const AttentionParams& a, const SparseKeyListA
 // The preprocess, then either the dK / dV kernel (QueryVisitT: its query visit) and the dQ
 // kernel (KeyVisitT: the forward's key visit), deterministic; or, with `fused` (one stream
 // only), the dK / dV kernel that also reduces dQ into an fp32 workspace, and the convert of
-// that workspace. False when this build holds no sm_90a code.
-template <class T, class Traits, class QueryVisitT, class KeyVisitT>
+// that workspace (FusedQueryVisitT: the query visit of its 64-row blocks). False when this
+// build holds no sm_90a code.
+template <class T, class Traits, class QueryVisitT, class KeyVisitT,
+          class FusedQueryVisitT = QueryVisitT>
 bool backward(const AttentionParams& a, const SparseKeyListArgs& sparse, bool fused,
               cudaStream_t stream) {
   using FusedTraits = BwdTraits<typename Traits::Element, Traits::kHeadDim, 1, true>;
@@ -131,11 +133,12 @@ bool backward(const AttentionParams& a, const SparseKeyListArgs& sparse, bool fu
       cuda_common::check_cuda(cudaMemsetAsync(p.dq_accum, 0, floats * sizeof(float), stream),
                               "sm90 attention backward (dQ workspace) clear");
       if (a.seqlen_k > 0)
-        launch_bwd_kernel(sm90_attention_bwd_dkdv_kernel<FusedTraits, QueryVisitT>, dkdv_grid, p,
-                          stream, "sm90 attention backward (dK, dV, dQ) launch");
+        launch_bwd_kernel(sm90_attention_bwd_dkdv_kernel<FusedTraits, FusedQueryVisitT>,
+                          dkdv_grid, p, stream, "sm90 attention backward (dK, dV, dQ) launch");
       if (entries > 0) {
         sm90_attention_bwd_dq_convert_kernel<FusedTraits>
-            <<<dim3(static_cast<unsigned>(stats.rows / Traits::kCols), a.heads_q, a.batch),
+            <<<dim3(static_cast<unsigned>(stats.rows / FusedTraits::kCols), a.heads_q,
+                    a.batch),
                FusedTraits::kDqThreads, 0, stream>>>(a, p.dq_accum, stats);
         cuda_common::check_cuda(cudaGetLastError(),
                                 "sm90 attention backward (dQ convert) launch");
@@ -164,14 +167,16 @@ bool backward(const AttentionParams& a, const SparseKeyListArgs& sparse, bool fu
 
 template <class T, int D>
 bool launch_dense_backward(const AttentionParams& a, bool deterministic, cudaStream_t stream) {
-  using Traits = BwdTraits<launch_detail::CutlassElement<T>, D>;
+  // D = 64 streams 128-row blocks (BwdTraits); the fused dQ keeps its own 64-row traits.
+  using Traits = BwdTraits<launch_detail::CutlassElement<T>, D, 1, false, D == 64 ? 128 : 64>;
   using Queries = DenseQueryVisit<Traits::kCols, Traits::kRows>;
+  using FusedQueries = DenseQueryVisit<64, Traits::kRows>;
   // Key padding has an instance of its own (the key flags of the forward's masked kernel).
   if (a.key_mask != nullptr)
-    return launch_detail::backward<T, Traits, Queries, DenseVisit<Traits::kCols, true>>(
-        a, SparseKeyListArgs{}, !deterministic, stream);
-  return launch_detail::backward<T, Traits, Queries, DenseVisit<Traits::kCols, false>>(
-      a, SparseKeyListArgs{}, !deterministic, stream);
+    return launch_detail::backward<T, Traits, Queries, DenseVisit<Traits::kCols, true>,
+                                   FusedQueries>(a, SparseKeyListArgs{}, !deterministic, stream);
+  return launch_detail::backward<T, Traits, Queries, DenseVisit<Traits::kCols, false>,
+                                 FusedQueries>(a, SparseKeyListArgs{}, !deterministic, stream);
 }
 
 template <class T, int D>

@@ -37,13 +37,21 @@
 
 namespace vidattn::cuda_sm90 {
 
-template <class Element_, int kHeadDim_, int kStreams_ = 1, bool kFusedDq_ = false>
+// kCols_: rows of one streamed tile. 64, or 128 for the dense D = 64 kernels, whose 64 x 64
+// products are too short to hide a block's softmax, barriers and statistics loads (the same
+// choice as FlashAttention-3's D = 64 backward); the fused dQ takes 64 only.
+template <class Element_, int kHeadDim_, int kStreams_ = 1, bool kFusedDq_ = false,
+          int kCols_ = 64>
 struct BwdTraits {
   using Element = Element_;  // cutlass::bfloat16_t or cutlass::half_t
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kConsumerWGs = 2;
   static constexpr int kRows = 64 * kConsumerWGs;  // stationary rows per CTA
-  static constexpr int kCols = 64;                 // rows of one streamed tile
+  static constexpr int kCols = kCols_;             // rows of one streamed tile
+  static_assert(kCols == 64 || (kCols == 128 && kHeadDim == 64 && kStreams_ == 1 && !kFusedDq_));
+  // The row statistics are laid out in kRows-row pieces (launch): a streamed block's
+  // statistics lie in one.
+  static_assert(kRows % kCols == 0);
   static constexpr int kStages = 2;
   static constexpr int kStreams = kStreams_;
   static_assert(kStreams == 1 || kStreams == kConsumerWGs);
@@ -55,8 +63,8 @@ struct BwdTraits {
   static constexpr int kSlotReleases = 128 * kConsumerWGs / kStreams;
   static constexpr int kThreads = 128 * (1 + kConsumerWGs);
   // 24 + 2 x 240 registers: exactly the launch allocation of 384 threads at 168 (64512).
-  // The dK / dV consumers hold dK and dV (2 x D / 2 fp32 values per thread), S and dP (32 each)
-  // and the 16-bit P and dS operands (16 words each).
+  // The dK / dV consumers hold dK and dV (2 x D / 2 fp32 values per thread), S and dP
+  // (kCols / 2 each) and the 16-bit P and dS operands (kCols / 4 words each).
   static constexpr int kProducerRegs = 24;
   static constexpr int kConsumerRegs = 240;
   static_assert(kHeadDim == 64 || kHeadDim == 128);
