@@ -2,7 +2,8 @@
 // same skeleton, one producer warpgroup and two consumer warpgroups:
 //   * a stationary tile of kRows = 128 rows (64 per consumer warpgroup) of two tensors, loaded
 //     once: K and V for the dK / dV kernel, Q and dO for the dQ kernel;
-//   * a ring of kStages slots through which 64-row tiles of the two other tensors stream:
+//   * a ring of kStages slots through which kCols-row tiles of the two other tensors stream
+//     (64; 128 or 80 for the dense deterministic kernels, below):
 //     Q and dO (with their rows' LSE and row sums) for dK / dV, K and V for dQ.
 // kStreams = 1: both warpgroups share one ring (dense; block-sparse tiles of 128 and 256
 // tokens, where the CTA's rows lie in one tile and share its list). kStreams = 2: each
