@@ -42,14 +42,15 @@ void check_stores() {
     std::vector<int> written(64 * D, 0);
     for (int tid = 0; tid < 128; ++tid) {
       const int warp = tid / 32, lane = tid % 32;
-      const std::uint32_t address0 = wg * kSlotBytes + stsm_o_lane_offset(tid);
+      const std::uint32_t address0 =
+          wg * kSlotBytes + stsm_o_lane_offset<Traits::kAtomCols>(tid);
       for (int s = 0; s < D / 16; ++s) {
         // stmatrix .x4: lane l gives row l % 8 of matrix l / 8, whose 8 columns (16 bytes)
         // are contiguous; matrix m is value pair 4 s + m (row half m % 2, octet 2 s + m / 2).
         const int m = lane / 8;
         const int row = 16 * warp + 8 * (m % 2) + lane % 8;
         const int col = 16 * s + 8 * (m / 2);
-        const std::uint32_t address = stsm_o_address(address0, s);
+        const std::uint32_t address = stsm_o_address<Traits::kAtomCols>(address0, s);
         for (int c = 0; c < 8; ++c) {
           ASSERT_EQ(address + 2 * c, slot_offset<Traits>(row, col + c, wg))
               << "D " << D << " wg " << wg << " tid " << tid << " store " << s << " column "
@@ -94,7 +95,14 @@ TEST(Sm90OutputStsm, Bf16HeadDim128TwoWarpgroups) {
   check_registers<FwdTraits<cutlass::bfloat16_t, configs::dense(128)>>();
 }
 TEST(Sm90OutputStsm, Bf16HeadDim128ThreeWarpgroups) {
-  check_stores<FwdTraits<cutlass::bfloat16_t, configs::dense128_short()>>();
+  check_stores<FwdTraits<cutlass::bfloat16_t, configs::dense_short(128)>>();
+}
+// The 96-wide tile (64-byte swizzle atoms of 32 columns), two and three warpgroups.
+TEST(Sm90OutputStsm, Bf16Width96) {
+  static_assert(FwdTraits<cutlass::bfloat16_t, configs::dense(96)>::kAtomCols == 32);
+  check_stores<FwdTraits<cutlass::bfloat16_t, configs::dense(96)>>();
+  check_registers<FwdTraits<cutlass::bfloat16_t, configs::dense(96)>>();
+  check_stores<FwdTraits<cutlass::bfloat16_t, configs::dense_short(96)>>();
 }
 TEST(Sm90OutputStsm, Fp16HeadDim64ThreeWarpgroups) {
   check_stores<FwdTraits<cutlass::half_t, configs::dense64_wide()>>();

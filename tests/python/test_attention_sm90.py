@@ -67,22 +67,34 @@ def test_sm90_forward_matches_reference(case, input_scale):
 
 
 
-# Head dims other than D = Dv = 64 / 128 run the padded instances of width 128, 192 and 256
-# (FwdConfig::padded_head_dim): TMA fills the columns past D (q, k) and Dv (v) with zeros and
-# the output store drops those past Dv. Outputs land on NaN-poisoned memory, so a column
-# written past Dv, or one left unwritten, fails. Each width on the paths it takes: at width
-# 128 the configurations of D = 128 (one key block at <= 128 keys, three warpgroups at <= 512,
-# the persistent grid, CTA pairs past 24576 keys), above 128 the one of dense_wide (64-key
-# blocks; TMA-stored output at 192, the threads' stores at 256); Dv != D both ways, and the
-# instance of D = 192 with v and out 128 wide (128 < D <= 192 with Dv <= 128).
+# Head dims other than D = Dv = 64 / 128 run the padded instances of width 96, 128, 192 and
+# 256 (FwdConfig::padded_head_dim): TMA fills the columns past D (q, k) and Dv (v) with zeros
+# and the output store drops those past Dv. Outputs land on NaN-poisoned memory, so a column
+# written past Dv, or one left unwritten, fails. Each width on the paths it takes: at widths
+# 96 (64-byte swizzle atoms; dims that are multiples of 16) and 128 the configurations of D = 128 (one key block at <= 128
+# keys, three warpgroups at <= 512, the persistent grid, CTA pairs past 24576 keys), above 128
+# the one of dense_wide (64-key blocks; TMA-stored output at 192, the threads' stores at 256);
+# Dv != D both ways (up to 128 on the instances of widths 128 / 64 and 64 / 128, which take
+# D = 128's paths except the CTA pairs), and the instance of D = 192 with v and out 128 wide
+# (128 < D <= 192 with Dv <= 128).
 PADDED_CASES = [  # B, Sq, Sk, Hq, Hkv, D, Dv, dtype, causal
     (2, 700, 1500, 4, 2, 96, 96, torch.bfloat16, False),
     (1, 1000, 1000, 4, 4, 72, 72, torch.float16, True),
     (1, 600, 77, 8, 8, 80, 80, torch.bfloat16, False),
     (1, 384, 300, 66, 6, 96, 96, torch.float16, False),
+    (1, 256, 24700, 2, 2, 80, 80, torch.bfloat16, False),
+    (1, 500, 520, 4, 4, 64, 96, torch.float16, True),
+    (1, 600, 400, 4, 2, 96, 48, torch.bfloat16, False),
+    (1, 600, 400, 4, 2, 88, 88, torch.float16, False),
     (1, 256, 24700, 2, 2, 112, 112, torch.bfloat16, False),
+    (1, 500, 1300, 4, 4, 104, 104, torch.float16, False),
     (1, 500, 500, 4, 4, 128, 64, torch.bfloat16, False),
     (1, 500, 520, 4, 4, 64, 128, torch.float16, True),
+    (1, 300, 100, 4, 2, 128, 64, torch.bfloat16, False),
+    (1, 384, 300, 66, 6, 64, 128, torch.float16, False),
+    (1, 384, 300, 66, 6, 120, 56, torch.bfloat16, False),
+    (1, 600, 2000, 4, 4, 128, 64, torch.float16, False),
+    (1, 256, 24700, 2, 2, 40, 128, torch.bfloat16, False),
     (1, 800, 900, 4, 2, 192, 128, torch.bfloat16, False),
     (1, 400, 650, 4, 2, 160, 96, torch.float16, True),
     (1, 700, 2100, 4, 4, 192, 192, torch.float16, True),
@@ -108,7 +120,8 @@ def test_sm90_padded_head_dims_match_reference(case, input_scale):
 # Key and query padding masks at padded widths: packed as varlen when D = Dv and not causal,
 # the masked instance otherwise (Dv != D: the packing copies k and v at one width; causal).
 @pytest.mark.parametrize("D,Dv,causal", [(96, 96, False), (192, 128, False), (256, 256, False),
-                                         (80, 80, True), (256, 256, True)])
+                                         (80, 80, True), (256, 256, True), (128, 64, False),
+                                         (48, 128, True)])
 def test_sm90_padded_head_dims_with_padding_masks(D, Dv, causal):
     seed = zlib.crc32(repr(("padded masks", D, Dv, causal)).encode())
     g = gen(seed)
@@ -121,8 +134,8 @@ def test_sm90_padded_head_dims_with_padding_masks(D, Dv, causal):
                                      seed=seed, check_grads=False))
 
 # Dense D = 128 with at most 512 keys runs on three warpgroups over 64-key blocks
-# (Dense128ShortTraits) when its 192-row tiles put no more rows on the busiest SM than 128-row
-# tiles would (dense128_short_fits): 66 heads of 384 queries are 132 such tiles, one per SM
+# (DenseShortTraits) when its 192-row tiles put no more rows on the busiest SM than 128-row
+# tiles would (dense_short_fits): 66 heads of 384 queries are 132 such tiles, one per SM
 # of an H200, against 198 128-row tiles. Last key blocks of 1 (257 keys), 44 (300), 64
 # (512) and 1 (65) keys; GQA; causal with fewer keys than queries.
 @pytest.mark.parametrize("Sk,causal,dtype", [(257, False, torch.bfloat16),
@@ -140,7 +153,7 @@ def test_sm90_short_key_loops_on_three_warpgroups(Sk, causal, dtype):
 # Short key loops (at most 512 keys) over several tiles per CTA of the persistent grid (132 SMs
 # on an H200), so that each CTA's producer loads a tile's Q and K / V while its consumers finish
 # the one before: D = 128 with 2 x 44 heads of 1152 queries (528 192-row tiles, and as many
-# rows on the busiest SM as 128-row tiles give, so dense128_short_fits takes the 192-row
+# rows on the busiest SM as 128-row tiles give, so dense_short_fits takes the 192-row
 # tile), D = 64 with 2 x 48 heads of 1000 queries (a partial last tile). GQA; causal with fewer
 # keys than queries (whole tiles see no key); a one-key problem; 77 text tokens. At most 128
 # keys run the one-block instances (D = 128: 77 and 128 keys; D = 64: 1 and 128).

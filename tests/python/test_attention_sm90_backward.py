@@ -6,7 +6,8 @@ and False (one kernel reducing dQ into an fp32 workspace), and deterministic rer
 the same bits. The generic
 CUDA tests (test_attention_cuda.py) run through it too on such a GPU; the shapes here add many
 key and query blocks, groups of query heads per key head, and partial tiles of both kernels
-(128 stationary rows, 64-row streamed blocks). Skipped on other GPUs."""
+(128 stationary rows; streamed blocks of 64 rows, 128 at D = 64 and 80 in the dK / dV
+kernel at D = 128 when deterministic). Skipped on other GPUs."""
 from __future__ import annotations
 
 import zlib

@@ -2,7 +2,7 @@
 src/cuda/attention/sm90/instances/attn_{fwd,bwd}_hdim{D}_{dtype}_{variant}_sm90.cu: one explicit
 instantiation of a launcher per (direction, head dim, dtype, variant: forward dense | sparse |
 sparse_combine, backward dense | sparse; D = 64, 128, and the dense forward's padded widths
-128pad, 192pad, 256pad), so
+96pad, 128pad, 192pad, 256pad), so
 that the build runs them in parallel and a subset can be built alone. Run from anywhere after
 changing the list; the files are committed (edit this generator, not its output)."""
 from pathlib import Path
@@ -12,8 +12,10 @@ DTYPES = {"bf16": "__nv_bfloat16", "fp16": "__half"}
 HEAD_DIMS = (64, 128)
 # Padded widths of the dense forward (FwdConfig::padded_head_dim): every (D, Dv) with
 # 64 < max(D, Dv) <= 256 that is not an exact width (src/cuda/dispatch/head_dims.h).
-# (width of q / k, width of v / out): D = 192 with Dv <= 128 has an instance of its own.
-PADDED_FWD_WIDTHS = ((128, 128), (192, 192), (192, 128), (256, 256))
+# (width of q / k, width of v / out): D = 192 with Dv <= 128 has an instance of its own, and
+# up to 128 the pairs 128 / 64 and 64 / 128.
+PADDED_FWD_WIDTHS = ((96, 96), (128, 128), (128, 64), (64, 128), (192, 192), (192, 128),
+                     (256, 256))
 PADDED_FWD_DENSE = ("template bool launch_dense_forward<{t}, {d}, true, {dv}>(const AttentionParams&,\n"
                     "                                                            cudaStream_t);")
 FWD_VARIANTS = {

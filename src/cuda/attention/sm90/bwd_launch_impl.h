@@ -95,20 +95,26 @@ BwdKernelParams<Traits> dq_params(const AttentionParams& a, const SparseKeyListA
 // The preprocess, then either the dK / dV kernel (QueryVisitT: its query visit) and the dQ
 // kernel (KeyVisitT: the forward's key visit), deterministic; or, with `fused` (one stream
 // only), the dK / dV kernel that also reduces dQ into an fp32 workspace, and the convert of
-// that workspace. False when this build holds no sm_90a code.
-template <class T, class Traits, class QueryVisitT, class KeyVisitT>
+// that workspace (FusedQueryVisitT: the query visit of its 64-row blocks). DqTraits: the dQ
+// kernel's shape, where it streams blocks of another size than the dK / dV kernel. False when
+// this build holds no sm_90a code.
+template <class T, class Traits, class QueryVisitT, class KeyVisitT,
+          class FusedQueryVisitT = QueryVisitT, class DqTraits = Traits>
 bool backward(const AttentionParams& a, const SparseKeyListArgs& sparse, bool fused,
               cudaStream_t stream) {
   using FusedTraits = BwdTraits<typename Traits::Element, Traits::kHeadDim, 1, true>;
   auto dkdv = sm90_attention_bwd_dkdv_kernel<Traits, QueryVisitT>;
-  auto dq = sm90_attention_bwd_dq_kernel<Traits, KeyVisitT>;
+  auto dq = sm90_attention_bwd_dq_kernel<DqTraits, KeyVisitT>;
+  static_assert(DqTraits::kRows == Traits::kRows &&
+                Traits::kStatsRowsMultiple % DqTraits::kStatsRowsMultiple == 0);
   static const bool available = has_sm90a_code(dkdv);
   if (!available) return false;
   if (a.batch == 0) return true;
 
   // Row statistics: [B][Hq][rows] for lse2, then the same for delta.
   BwdRowStats stats;
-  stats.rows = (a.seqlen_q + Traits::kRows - 1) / Traits::kRows * Traits::kRows;
+  constexpr int kStatsMultiple = Traits::kStatsRowsMultiple;  // a multiple of 64 and kRows
+  stats.rows = (a.seqlen_q + kStatsMultiple - 1) / kStatsMultiple * kStatsMultiple;
   const std::size_t entries = static_cast<std::size_t>(a.batch) * a.heads_q * stats.rows;
   const cuda_common::DeviceWorkspace workspace(2 * entries * sizeof(float), stream,
                                                "the backward's row statistics");
@@ -131,11 +137,12 @@ bool backward(const AttentionParams& a, const SparseKeyListArgs& sparse, bool fu
       cuda_common::check_cuda(cudaMemsetAsync(p.dq_accum, 0, floats * sizeof(float), stream),
                               "sm90 attention backward (dQ workspace) clear");
       if (a.seqlen_k > 0)
-        launch_bwd_kernel(sm90_attention_bwd_dkdv_kernel<FusedTraits, QueryVisitT>, dkdv_grid, p,
-                          stream, "sm90 attention backward (dK, dV, dQ) launch");
+        launch_bwd_kernel(sm90_attention_bwd_dkdv_kernel<FusedTraits, FusedQueryVisitT>,
+                          dkdv_grid, p, stream, "sm90 attention backward (dK, dV, dQ) launch");
       if (entries > 0) {
         sm90_attention_bwd_dq_convert_kernel<FusedTraits>
-            <<<dim3(static_cast<unsigned>(stats.rows / Traits::kCols), a.heads_q, a.batch),
+            <<<dim3(static_cast<unsigned>(stats.rows / FusedTraits::kCols), a.heads_q,
+                    a.batch),
                FusedTraits::kDqThreads, 0, stream>>>(a, p.dq_accum, stats);
         cuda_common::check_cuda(cudaGetLastError(),
                                 "sm90 attention backward (dQ convert) launch");
@@ -151,8 +158,8 @@ bool backward(const AttentionParams& a, const SparseKeyListArgs& sparse, bool fu
     launch_bwd_kernel(dkdv, dkdv_grid, dkdv_params<Traits>(a, sparse, stats), stream,
                       "sm90 attention backward (dK, dV) launch");
   if (a.seqlen_q > 0)
-    launch_bwd_kernel(dq, dim3(bwd_blocks(a.seqlen_q, Traits::kRows), a.heads_q, a.batch),
-                      dq_params<Traits>(a, sparse, stats), stream,
+    launch_bwd_kernel(dq, dim3(bwd_blocks(a.seqlen_q, DqTraits::kRows), a.heads_q, a.batch),
+                      dq_params<DqTraits>(a, sparse, stats), stream,
                       "sm90 attention backward (dQ) launch");
 #ifdef VIDATTN_TESTING
   testing::note_sm90_backward_launch();
@@ -164,14 +171,22 @@ bool backward(const AttentionParams& a, const SparseKeyListArgs& sparse, bool fu
 
 template <class T, int D>
 bool launch_dense_backward(const AttentionParams& a, bool deterministic, cudaStream_t stream) {
-  using Traits = BwdTraits<launch_detail::CutlassElement<T>, D>;
+  // Streamed rows per block (BwdTraits): D = 64 128 in both kernels; D = 128 80 query rows in
+  // the dK / dV kernel and 64-key blocks in the dQ kernel (the forward's key visits come in 64
+  // and 128). The fused dQ keeps its own 64-row traits.
+  using E = launch_detail::CutlassElement<T>;
+  using Traits = BwdTraits<E, D, 1, false, D == 64 ? 128 : 80>;
+  using DqTraits = BwdTraits<E, D, 1, false, D == 64 ? 128 : 64>;
   using Queries = DenseQueryVisit<Traits::kCols, Traits::kRows>;
+  using FusedQueries = DenseQueryVisit<64, Traits::kRows>;
   // Key padding has an instance of its own (the key flags of the forward's masked kernel).
   if (a.key_mask != nullptr)
-    return launch_detail::backward<T, Traits, Queries, DenseVisit<Traits::kCols, true>>(
-        a, SparseKeyListArgs{}, !deterministic, stream);
-  return launch_detail::backward<T, Traits, Queries, DenseVisit<Traits::kCols, false>>(
-      a, SparseKeyListArgs{}, !deterministic, stream);
+    return launch_detail::backward<T, Traits, Queries, DenseVisit<DqTraits::kCols, true>,
+                                   FusedQueries, DqTraits>(a, SparseKeyListArgs{},
+                                                           !deterministic, stream);
+  return launch_detail::backward<T, Traits, Queries, DenseVisit<DqTraits::kCols, false>,
+                                 FusedQueries, DqTraits>(a, SparseKeyListArgs{}, !deterministic,
+                                                         stream);
 }
 
 template <class T, int D>

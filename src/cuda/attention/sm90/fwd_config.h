@@ -90,7 +90,7 @@ struct FwdConfig {
 
 // Dense: one 128-row stream of two warpgroups over 128-key blocks, two stages, output by TMA
 // (short key loops spend a large share of each tile writing it). Runs D = 128 past
-// kDense128ShortMaxKeys keys when the CTA pairs do not fit, and causal key padding at both
+// kDenseShortMaxKeys keys when the CTA pairs do not fit, and causal key padding at both
 // head dims. Longer key blocks were slower (v11).
 constexpr FwdConfig dense(int d) {
   return {.head_dim = d, .block_n = 128, .wg_per_stream = 2, .streams = 1, .stages_k = 2,
@@ -115,28 +115,28 @@ constexpr FwdConfig dense64_wide() {
           .speculation = Speculation::kAfterPV};
 }
 
-// Dense D = 128 with at most kDense128ShortMaxKeys keys (cross attention to text or image
-// tokens): three warpgroups over 64-key blocks. A partial last block costs less and a third
-// warpgroup overlaps more of each short tile's start and end: +19-22% at 257 keys, flat at
-// 512, -3% to -13% at 2048-4096 keys (v29). Its key loops spilled with uniform control (2-7%
-// slower) and gain 2.5% from the early tile set-up at 77-128 keys, which cost 2-2.6% in the
-// other kernels (v36, v37).
-constexpr FwdConfig dense128_short() {
-  return {.head_dim = 128, .block_n = 64, .wg_per_stream = 3, .streams = 1, .stages_k = 2,
+// Dense D = 128 (and the 96-wide padded tile) with at most kDenseShortMaxKeys keys (cross
+// attention to text or image tokens): three warpgroups over 64-key blocks. A partial last block
+// costs less and a third warpgroup overlaps more of each short tile's start and end: +19-22% at
+// 257 keys, flat at 512, -3% to -13% at 2048-4096 keys (v29). Its key loops spilled with
+// uniform control (2-7% slower) and gain 2.5% from the early tile set-up at 77-128 keys, which
+// cost 2-2.6% in the other kernels (v36, v37).
+constexpr FwdConfig dense_short(int d) {
+  return {.head_dim = d, .block_n = 64, .wg_per_stream = 3, .streams = 1, .stages_k = 2,
           .stages_v = 2, .tma_store_o = true, .split_tail = true, .uniform_control = false,
           .early_tile_setup = true, .speculation = Speculation::kAfterPV};
 }
-inline constexpr std::int64_t kDense128ShortMaxKeys = 512;
+inline constexpr std::int64_t kDenseShortMaxKeys = 512;
 
 // At most 128 keys (text tokens) on the three-warpgroup tile, compiled for one 128-key block
 // per tile (FwdTraits::kOneBlock): one S, softmax and P V per tile. One K and one V slot, so
 // shared memory stays no larger than the loop kernels' (more would shrink L1, where the
-// three-warpgroup kernels' spills live; v30). D = 128: +6-13% over dense128_short; D = 64:
+// three-warpgroup kernels' spills live; v30). D = 128: +6-13% over dense_short; D = 64:
 // +4-8% at 77-128 keys over dense64_wide.
 constexpr FwdConfig dense_one_block(int d) {
   return {.head_dim = d, .block_n = 128, .wg_per_stream = 3, .streams = 1, .stages_k = 1,
           .stages_v = 1, .tma_store_o = true, .one_block = true, .split_tail = true,
-          .uniform_control = d != 128, .early_tile_setup = d == 128,
+          .uniform_control = d == 64, .early_tile_setup = d > 64,
           .speculation = Speculation::kNone};
 }
 
@@ -182,8 +182,13 @@ constexpr FwdConfig dense_wide(int d, int dv = 0) {
           .stages_k = 2, .stages_v = 2, .tma_store_o = d <= 192, .padded_head_dim = true};
 }
 
-// `c` as a padded instance (FwdConfig::padded_head_dim), or as it is.
-constexpr FwdConfig with_padding(FwdConfig c, bool padded) {
+// `c`, a configuration of the wider of the two widths, with q / k `d` and v / out `dv` wide,
+// as a padded instance (FwdConfig::padded_head_dim) or not: D = 128 / Dv = 64 and D = 64 / Dv = 128 run the tiles, blocks and
+// warpgroups of D = 128, since their O accumulator (Dv) or S product (D) is that of D = 128,
+// with the products of the narrower width a half shorter.
+constexpr FwdConfig with_widths(FwdConfig c, int d, int dv, bool padded) {
+  c.head_dim = d;
+  c.head_dim_v = dv == d ? 0 : dv;
   c.padded_head_dim = padded;
   return c;
 }

@@ -188,10 +188,11 @@ __device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits
   if (wg_tid == 0) tma_store_wait<0>();
   asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
   const std::uint32_t address0 =
-      cast_smem_ptr_to_uint(st.o.data() + wg * 64 * D) + stsm_o_lane_offset(wg_tid);
+      cast_smem_ptr_to_uint(st.o.data() + wg * 64 * D) +
+      stsm_o_lane_offset<Traits::kAtomCols>(wg_tid);
 #pragma unroll
   for (int s = 0; s < D / 16; ++s)
-    stsm_x4(stsm_o_address(address0, s), out32[4 * s], out32[4 * s + 1], out32[4 * s + 2],
+    stsm_x4(stsm_o_address<Traits::kAtomCols>(address0, s), out32[4 * s], out32[4 * s + 1], out32[4 * s + 2],
             out32[4 * s + 3]);
   tma_store_fence();  // the generic-proxy writes above, seen by the TMA store
   asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");

@@ -26,8 +26,8 @@ template <class T, int D>
 using DenseClusterTraits = FwdTraits<CutlassElement<T>, dense_cluster(D)>;
 template <class T>
 using Dense64WideTraits = FwdTraits<CutlassElement<T>, dense64_wide()>;
-template <class T>
-using Dense128ShortTraits = FwdTraits<CutlassElement<T>, dense128_short()>;
+template <class T, int D>
+using DenseShortTraits = FwdTraits<CutlassElement<T>, dense_short(D)>;
 template <class T, int D>
 using DenseOneBlockTraits = FwdTraits<CutlassElement<T>, dense_one_block(D)>;
 template <class T, int D>
@@ -37,9 +37,10 @@ using Sparse64Traits = FwdTraits<CutlassElement<T>, sparse64(D)>;
 template <class T, int D>
 using Sparse64CombineTraits = FwdTraits<CutlassElement<T>, sparse64_combine(D)>;
 
-// The same configuration as a padded instance (FwdConfig::padded_head_dim) when kPadded.
-template <class Traits, bool kPadded>
-using WithPadding = FwdTraits<typename Traits::Element, with_padding(Traits::kConfig, kPadded)>;
+// The same configuration with q / k D and v / out Dv wide, padded when kPadded (with_widths).
+template <class Traits, int D, int Dv, bool kPadded>
+using WithWidths =
+    FwdTraits<typename Traits::Element, with_widths(Traits::kConfig, D, Dv, kPadded)>;
 
 // The dense grid (the block-sparse kernels take stream items on a persistent grid instead):
 // one CTA per tile for long key sequences, a persistent grid of (SMs - sm_margin) CTAs for
@@ -101,17 +102,18 @@ inline std::int64_t rows_on_busiest_cta(const AttentionParams& a, std::int64_t b
   return whole + (pieces + ctas - 1) / ctas * 64;
 }
 
-// Whether a dense D = 128 problem takes Dense128ShortTraits: at most kDense128ShortMaxKeys
-// keys, and its 192-row tiles put no more query rows on the busiest SM of the persistent grid
-// than 128-row tiles would. A grid of few tiles leaves more of the larger tile's last wave
-// idle (1 x 2048 x 16 heads, 300 keys: 176 tiles on 132 SMs, -14% on the 192-row tile).
-template <class T>
-bool dense128_short_fits(const AttentionParams& a) {
-  if (a.seqlen_k > kDense128ShortMaxKeys) return false;
+// Whether a dense D = 128 (or 96-wide) problem takes DenseShortTraits: at most
+// kDenseShortMaxKeys keys, and its 192-row tiles put no more query rows on the busiest SM of
+// the persistent grid than 128-row tiles would. A grid of few tiles leaves more of the larger
+// tile's last wave idle (1 x 2048 x 16 heads, 300 keys: 176 tiles on 132 SMs, -14% on the
+// 192-row tile).
+template <class T, int D>
+bool dense_short_fits(const AttentionParams& a) {
+  if (a.seqlen_k > kDenseShortMaxKeys) return false;
   const int ctas = persistent_grid_ctas(a, cuda_common::current_sm_count());
-  return rows_on_busiest_cta(a, Dense128ShortTraits<T>::kBlockM,
-                             Dense128ShortTraits<T>::kSplitTail, ctas) <=
-         rows_on_busiest_cta(a, DenseTraits<T, 128>::kBlockM, DenseTraits<T, 128>::kSplitTail,
+  return rows_on_busiest_cta(a, DenseShortTraits<T, D>::kBlockM,
+                             DenseShortTraits<T, D>::kSplitTail, ctas) <=
+         rows_on_busiest_cta(a, DenseTraits<T, D>::kBlockM, DenseTraits<T, D>::kSplitTail,
                              ctas);
 }
 

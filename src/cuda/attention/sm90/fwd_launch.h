@@ -20,8 +20,9 @@ namespace vidattn::cuda_sm90 {
 // (sm90_dense_fits in dispatch/attention.cu): q, k, v, out rows 16-byte aligned, every stride a
 // multiple of 8 elements, Sq > 0, Sk > 0, scale > 0.
 // kPadded: the padded instance of width D (FwdConfig::padded_head_dim), which serves every
-// D, Dv up to D (multiples of 8, rows as above); D is then 128, 192 or 256. Dv < D: v and
-// out padded to Dv of their own (D = 192, Dv = 128).
+// D, Dv up to D (multiples of 8, rows as above); D is then 96, 128, 192 or 256. Dv != D: v
+// and out padded to Dv of their own (D = 192 / Dv = 128, D = 128 / Dv = 64, D = 64 /
+// Dv = 128).
 template <class T, int D, bool kPadded = false, int Dv = D>
 bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream);
 

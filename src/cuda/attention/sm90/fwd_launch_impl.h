@@ -196,8 +196,8 @@ bool launch(const AttentionParams& a, const SparseKeyListArgs& sparse, cudaStrea
 
 template <class T, int D, bool kPadded, int Dv>
 bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
-  using launch_detail::WithPadding;
-  static_assert(Dv == D || (kPadded && D > 128), "a width of v's own: dense_wide");
+  using launch_detail::WithWidths;
+  static_assert(Dv == D || kPadded, "a width of v's own: the padded instances");
   if constexpr (D > 128) {
     // Above 128 one configuration serves every problem (fwd_config.h, dense_wide); key
     // padding takes its masked visit.
@@ -209,37 +209,43 @@ bool launch_dense_forward(const AttentionParams& p, cudaStream_t stream) {
     return launch_detail::launch<Traits, DenseVisit<Traits::kBlockN>>(p, SparseKeyListArgs{},
                                                                          stream);
   } else {
+    // The configurations of the wider width W (with_widths): D = 64 / Dv = 128 and the reverse
+    // run D = 128's.
+    constexpr int W = D > Dv ? D : Dv;
     if (p.key_mask != nullptr) {
       // Key padding runs an instance of its own, so that the mask code does not shape the
       // unmasked kernel (with it, ptxas scheduled the unmasked loop differently: up to -6% at
       // D = 128; docs/perf-history.md, Hopper v15). It keeps to the 128-row tile at D = 64
       // (causal key padding only: the rest is packed as varlen first, pack_padding.h).
-      using Traits = WithPadding<launch_detail::DenseTraits<T, D>, kPadded>;
+      using Traits = WithWidths<launch_detail::DenseTraits<T, W>, D, Dv, kPadded>;
       return launch_detail::launch<Traits, DenseVisit<Traits::kBlockN, true>>(
           p, SparseKeyListArgs{}, stream);
     }
-    using OneBlock = WithPadding<launch_detail::DenseOneBlockTraits<T, D>, kPadded>;
+    using OneBlock = WithWidths<launch_detail::DenseOneBlockTraits<T, W>, D, Dv, kPadded>;
     if (p.seqlen_k <= OneBlock::kBlockN &&  // kOneBlock runs one key block per tile
-        (D == 64 || launch_detail::dense128_short_fits<T>(p)))
+        (W == 64 || launch_detail::dense_short_fits<T, W>(p)))
       return launch_detail::launch<OneBlock, DenseVisit<OneBlock::kBlockN>>(
           p, SparseKeyListArgs{}, stream);
-    if constexpr (D == 64) {
-      using Wide = WithPadding<launch_detail::Dense64WideTraits<T>, kPadded>;
+    if constexpr (W == 64) {
+      using Wide = WithWidths<launch_detail::Dense64WideTraits<T>, D, Dv, kPadded>;
       return launch_detail::launch<Wide, DenseVisit<Wide::kBlockN>>(p, SparseKeyListArgs{},
                                                                        stream);
     } else {
-      if (launch_detail::dense128_short_fits<T>(p)) {
-        using Short = WithPadding<launch_detail::Dense128ShortTraits<T>, kPadded>;
+      if (launch_detail::dense_short_fits<T, W>(p)) {
+        using Short = WithWidths<launch_detail::DenseShortTraits<T, W>, D, Dv, kPadded>;
         return launch_detail::launch<Short, DenseVisit<Short::kBlockN>>(
             p, SparseKeyListArgs{}, stream);
       }
-      // Single CTAs when the pairs do not fit the problem or the device.
-      using Pair = WithPadding<launch_detail::DenseClusterTraits<T, D>, kPadded>;
-      if (launch_detail::dense_cluster_fits(p, Pair::kBlockM) &&
-          launch_detail::launch<Pair, DenseVisit<Pair::kBlockN>>(p, SparseKeyListArgs{},
-                                                                    stream))
-        return true;
-      using Traits = WithPadding<launch_detail::DenseTraits<T, D>, kPadded>;
+      // Single CTAs when the pairs do not fit the problem or the device. The pairs' multicast
+      // K / V loads share one width (FwdTraits).
+      if constexpr (Dv == D) {
+        using Pair = WithWidths<launch_detail::DenseClusterTraits<T, W>, D, Dv, kPadded>;
+        if (launch_detail::dense_cluster_fits(p, Pair::kBlockM) &&
+            launch_detail::launch<Pair, DenseVisit<Pair::kBlockN>>(p, SparseKeyListArgs{},
+                                                                      stream))
+          return true;
+      }
+      using Traits = WithWidths<launch_detail::DenseTraits<T, W>, D, Dv, kPadded>;
       return launch_detail::launch<Traits, DenseVisit<Traits::kBlockN>>(
           p, SparseKeyListArgs{}, stream);
     }

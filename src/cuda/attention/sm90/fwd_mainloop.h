@@ -279,14 +279,16 @@ struct PingPong {
 // visible to wgmma and waits for the `threads` threads that share the slot's product (named
 // barrier `bar`); t: the thread's index among them. See tail_rows_need_zeros (key_visit.h).
 // The addresses are written out (as fwd_output_stsm.h does) rather than taken from the cute
-// layout, whose swizzle costs registers where O is live: a slot's 64-column chunks lie
-// kBlockN x 128 bytes apart, its rows 128 bytes apart, and a row's 16-byte piece j sits at
-// j ^ (row % 8) (fwd_traits.h asserts the layout).
+// layout, whose swizzle costs registers where O is live: a slot's chunks of kAtomCols columns
+// lie kBlockN x 2 kAtomCols bytes apart, its rows 2 kAtomCols bytes apart, and a row's 16-byte
+// piece j sits at j ^ (the row's address bits 7 and up: row % 8 for 128-byte rows)
+// (fwd_traits.h asserts the layout).
 template <class Traits, bool kHalves>
 __device__ __forceinline__ void zero_v_tail_rows(typename Traits::Element* v, int stage,
                                                  int valid, int valid_hi, int t, int threads,
                                                  int bar) {
   constexpr int kChunks = Traits::kHeadDimV / 8;  // 16-byte pieces per row
+  constexpr int kAtomPieces = Traits::kAtomCols / 8, kRowBytes = 2 * Traits::kAtomCols;
   constexpr int kRows = Traits::kBlockN, kHalf = kHalves ? kRows / 2 : kRows;
   const int n0 = kHalf - valid;
   const int n1 = kHalves ? kHalf - valid_hi : 0;
@@ -294,7 +296,10 @@ __device__ __forceinline__ void zero_v_tail_rows(typename Traits::Element* v, in
   for (int i = t; i < (n0 + n1) * kChunks; i += threads) {
     const int k = i / kChunks, j = i % kChunks;
     const int r = k < n0 ? valid + k : kHalf + valid_hi + (k - n0);
-    char* piece = slot + (j / 8) * (kRows * 128) + r * 128 + 16 * ((j % 8) ^ (r % 8));
+    // The swizzle XORs the piece's index within its row with address bits 7 and up.
+    const int swizzle = ((r * kRowBytes) >> 7) & (kAtomPieces - 1);
+    char* piece = slot + (j / kAtomPieces) * (kRows * kRowBytes) + r * kRowBytes +
+                  16 * ((j % kAtomPieces) ^ swizzle);
     *reinterpret_cast<uint4*>(piece) = make_uint4(0u, 0u, 0u, 0u);
   }
   cutlass::arch::fence_view_async_shared();

@@ -1,6 +1,6 @@
 // Compile-time shape of the sm_90a forward: tile sizes, shared-memory layouts (128-byte
-// swizzle, the layout both TMA writes and wgmma reads), the two warpgroup MMAs and the TMA
-// descriptor types.
+// swizzle, or 64-byte for the 96-wide tile: the layout both TMA writes and wgmma reads), the
+// two warpgroup MMAs and the TMA descriptor types.
 //
 // A CTA holds one producer warpgroup and kStreams * kWGPerStream consumer warpgroups. A
 // "stream" is a Q tile of 64 * kWGPerStream rows with its own K/V pipeline: dense runs one
@@ -100,7 +100,8 @@ struct FwdTraits {
                 "speculation after P V: the three-warpgroup loop kernels");
   static_assert(kOneBlock == (kConfig.speculation == Speculation::kNone),
                 "a tile of one key block has no earlier max to speculate on");
-  static_assert(kHeadDim % 64 == 0 && kBlockN % 16 == 0);
+  // Widths of whole swizzle atoms (kAtomCols below).
+  static_assert(kHeadDim % 32 == 0 && kHeadDimV % 32 == 0 && kBlockN % 16 == 0);
   static_assert(!kFusedCombine || (kStreamItems && kWGPerStream == 1 && kStreams <= 2),
                 "the combining warps are warps 2 and 3 of the producer warpgroup");
   // Within the launch allocation: at most 168 per thread at launch (64K / 384 threads, in
@@ -108,8 +109,14 @@ struct FwdTraits {
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumerWGs <=
                 (65536 / kThreads) / 8 * 8 * kThreads);
 
-  // K-major (head dim contiguous) tiles with the 128-byte swizzle atom (8 rows x 64 elements).
-  using SmemAtom = cute::GMMA::Layout_K_SW128_Atom<Element>;
+  // K-major (head dim contiguous) tiles with the 128-byte swizzle atom (8 rows x 64 elements),
+  // or, where a width is not a multiple of 64 (the 96-wide tile of head dims 72-96: a quarter
+  // fewer products than padding them to 128), the 64-byte atom (8 rows x 32 elements). One
+  // atom for every tile of the kernel, so that the tail zeroing and the output's stmatrix
+  // addresses have one layout to follow.
+  static constexpr int kAtomCols = (kHeadDim % 64 == 0 && kHeadDimV % 64 == 0) ? 64 : 32;
+  using SmemAtom = std::conditional_t<kAtomCols == 64, cute::GMMA::Layout_K_SW128_Atom<Element>,
+                                      cute::GMMA::Layout_K_SW64_Atom<Element>>;
   using SmemLayoutQ = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::Shape<cute::Int<kBlockMStream>, cute::Int<kHeadDim>>{}));
   using SmemLayoutK = decltype(cute::tile_to_shape(
@@ -175,31 +182,36 @@ struct FwdTraits {
                                   cute::Stride<cute::_1, cute::Int<kBlockMStream>>>{}));
   using TmaQPiece = decltype(cute::make_tma_copy(cute::SM90_TMA_LOAD{}, GmemTensor{},
                                                  SmemLayoutQPiece{}));
-  // A slot's rows lie 64 elements apart within a 64-column chunk, and its chunks kBlockN * 64
-  // elements apart (whole swizzle atoms down the rows first): the offsets the prefix loads
-  // write to (fwd_prefix_loads.h).
-  static_assert(SmemLayoutK{}(cute::make_coord(16, 0, 0)) == 16 * 64);
-  static_assert(kHeadDim == 64 ||
-                SmemLayoutK{}(cute::make_coord(0, 64, 0)) == kBlockN * 64);
+  // A slot's rows lie kAtomCols elements apart within a chunk of kAtomCols columns, and its
+  // chunks kBlockN * kAtomCols elements apart (whole swizzle atoms down the rows first): the
+  // offsets the prefix loads write to (fwd_prefix_loads.h, 64-column chunks).
+  static_assert(!kPrefixLoads || kAtomCols == 64);
+  static_assert(SmemLayoutK{}(cute::make_coord(16, 0, 0)) == 16 * kAtomCols);
+  static_assert(kHeadDim == kAtomCols ||
+                SmemLayoutK{}(cute::make_coord(0, kAtomCols, 0)) == kBlockN * kAtomCols);
   // The same for V, whose tail rows the consumers zero by address (zero_v_tail_rows).
-  static_assert(SmemLayoutV{}(cute::make_coord(16, 0, 0)) == 16 * 64 &&
-                (kHeadDimV == 64 ||
-                 SmemLayoutV{}(cute::make_coord(0, 64, 0)) == kBlockN * 64) &&
+  static_assert(SmemLayoutV{}(cute::make_coord(16, 0, 0)) == 16 * kAtomCols &&
+                (kHeadDimV == kAtomCols ||
+                 SmemLayoutV{}(cute::make_coord(0, kAtomCols, 0)) == kBlockN * kAtomCols) &&
                 SmemLayoutV{}(cute::make_coord(0, 0, kStagesV - 1)) ==
                     (kStagesV - 1) * kBlockN * kHeadDimV);
   // O staged for the TMA store: one 64-row slot per warpgroup of the stream.
   using SmemLayoutO = decltype(cute::tile_to_shape(
       SmemAtom{}, cute::Shape<cute::_64, cute::Int<kHeadDimV>, cute::Int<kWGPerStream>>{}));
-  // 128-byte swizzle of byte addresses (bits 4-6 ^= bits 7-9); before it, 64 elements per
-  // row, the 64-column blocks 64 x 64 apart, the warpgroups' slots 64 x D apart. The
-  // epilogue's stmatrix addresses (fwd_output_stsm.h) rely on it.
-  static_assert(std::is_same_v<decltype(SmemLayoutO{}.layout_a()), cute::Swizzle<3, 4, 3>> &&
+  // 128-byte swizzle of byte addresses (bits 4-6 ^= bits 7-9), or 64-byte (bits 4-5 ^= bits
+  // 7-8); before it, kAtomCols elements per row, the column chunks 64 x kAtomCols apart, the
+  // warpgroups' slots 64 x D apart. The epilogue's stmatrix addresses (fwd_output_stsm.h)
+  // rely on it.
+  static_assert(std::is_same_v<decltype(SmemLayoutO{}.layout_a()),
+                               std::conditional_t<kAtomCols == 64, cute::Swizzle<3, 4, 3>,
+                                                  cute::Swizzle<2, 4, 3>>> &&
                 sizeof(Element) == 2);
-  static_assert(SmemLayoutO{}.layout_b()(cute::make_coord(1, 0, 0)) == 64 &&
-                SmemLayoutO{}.layout_b()(cute::make_coord(8, 0, 0)) == 8 * 64 &&
+  static_assert(SmemLayoutO{}.layout_b()(cute::make_coord(1, 0, 0)) == kAtomCols &&
+                SmemLayoutO{}.layout_b()(cute::make_coord(8, 0, 0)) == 8 * kAtomCols &&
                 SmemLayoutO{}.layout_b()(cute::make_coord(0, 1, 0)) == 1 &&
                 SmemLayoutO{}.layout_b()(cute::make_coord(0, kHeadDimV - 1, 0)) ==
-                    (kHeadDimV - 1) / 64 * 64 * 64 + (kHeadDimV - 1) % 64 &&
+                    (kHeadDimV - 1) / kAtomCols * 64 * kAtomCols +
+                        (kHeadDimV - 1) % kAtomCols &&
                 SmemLayoutO{}.layout_b()(cute::make_coord(0, 0, kWGPerStream - 1)) ==
                     (kWGPerStream - 1) * 64 * kHeadDimV);
   using SmemLayoutOStore = decltype(cute::take<0, 2>(SmemLayoutO{}));
