@@ -107,3 +107,14 @@ def test_a_nearly_one_hot_row_in_fp16_passes(monkeypatch):
     draw = configs.draw
     monkeypatch.setattr(configs, "draw", lambda op, seed, device: draw(op, seed, "cuda"))
     configs.run_config("varlen", 91, "cpu")
+
+
+def test_memcheck_log_without_a_summary_is_not_clean():
+    """The sanitizer subset counts memcheck's ERROR SUMMARY lines; a log without one (the
+    tool died, or never ran) must not read as zero errors."""
+    from vidattn.fuzz.__main__ import memcheck_errors
+    assert memcheck_errors("") is None
+    assert memcheck_errors("========= COMPUTE-SANITIZER\n========= Program hit ...\n") is None
+    assert memcheck_errors("========= ERROR SUMMARY: 0 errors\n") == 0
+    assert memcheck_errors("========= ERROR SUMMARY: 2 errors\n"
+                           "========= ERROR SUMMARY: 1 error\n") == 3

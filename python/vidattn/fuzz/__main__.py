@@ -218,13 +218,22 @@ def sanitize(args, summary, ops):
                                           "repro": describe(job, "cuda")})
         pool.close()
         text = open(log).read() if os.path.exists(log) else ""
-        errors = 0
-        for line in text.splitlines():
-            if "ERROR SUMMARY:" in line:
-                errors += int(line.split("ERROR SUMMARY:")[1].split()[0])
+        errors = memcheck_errors(text)
+        if errors is None:  # memcheck never finished: its silence is no evidence
+            summary["sanitizer_errors"] = 1
+            summary["sanitizer_log"] = "no ERROR SUMMARY in memcheck's log:\n" + text[-20000:]
+            return
         summary["sanitizer_errors"] = errors
         if errors:
             summary["sanitizer_log"] = text[-20000:]
+
+
+def memcheck_errors(text: str):
+    """The errors memcheck's log reports (the sum of its ERROR SUMMARY lines), or None where
+    the log has no summary (the tool did not run to its end)."""
+    counts = [int(line.split("ERROR SUMMARY:")[1].split()[0])
+              for line in text.splitlines() if "ERROR SUMMARY:" in line]
+    return sum(counts) if counts else None
 
 
 def main(argv=None) -> int:
