@@ -87,8 +87,33 @@ void check_registers() {
   }
 }
 
+// The V slot's 16-byte pieces as the forward's tail zeroing addresses them (zero_v_tail_rows:
+// the column chunk's offset plus swizzled_piece_offset) against cute's layout of the slot.
+template <class Traits>
+void check_v_pieces() {
+  using Element = typename Traits::Element;
+  constexpr int kAtomCols = Traits::kAtomCols, kRows = Traits::kBlockN;
+  Element* base = reinterpret_cast<Element*>(std::uintptr_t{1} << 20);
+  auto v = cute::make_tensor(cute::make_smem_ptr(base), typename Traits::SmemLayoutV{});
+  for (int r = 0; r < kRows; ++r)
+    for (int j = 0; j < Traits::kHeadDimV / 8; ++j) {
+      const int at = (j / (kAtomCols / 8)) * (kRows * 2 * kAtomCols) +
+                     vidattn::cuda_sm90::swizzled_piece_offset<kAtomCols>(r, j % (kAtomCols / 8));
+      const auto* cute_at = cute::raw_pointer_cast(&v(r, 8 * j, 0));
+      ASSERT_EQ(at, reinterpret_cast<const char*>(cute_at) - reinterpret_cast<const char*>(base))
+          << "width " << Traits::kHeadDimV << " row " << r << " piece " << j;
+    }
+}
+
 using vidattn::cuda_sm90::FwdTraits;
 namespace configs = vidattn::cuda_sm90;
+
+TEST(Sm90OutputStsm, VTailPiecesFollowTheSlotLayout) {
+  check_v_pieces<FwdTraits<cutlass::bfloat16_t, configs::dense(128)>>();
+  check_v_pieces<FwdTraits<cutlass::bfloat16_t, configs::dense(96)>>();
+  check_v_pieces<FwdTraits<cutlass::half_t, configs::dense_short(96)>>();
+  check_v_pieces<FwdTraits<cutlass::half_t, configs::dense64_wide()>>();
+}
 
 TEST(Sm90OutputStsm, Bf16HeadDim128TwoWarpgroups) {
   check_stores<FwdTraits<cutlass::bfloat16_t, configs::dense(128)>>();

@@ -183,9 +183,10 @@ constexpr FwdConfig dense_wide(int d, int dv = 0) {
 }
 
 // `c`, a configuration of the wider of the two widths, with q / k `d` and v / out `dv` wide,
-// as a padded instance (FwdConfig::padded_head_dim) or not: D = 128 / Dv = 64 and D = 64 / Dv = 128 run the tiles, blocks and
-// warpgroups of D = 128, since their O accumulator (Dv) or S product (D) is that of D = 128,
-// with the products of the narrower width a half shorter.
+// as a padded instance (FwdConfig::padded_head_dim) or not: D = 128 / Dv = 64 and
+// D = 64 / Dv = 128 run the tiles, blocks and warpgroups of D = 128, since their O
+// accumulator (Dv) or S product (D) is that of D = 128, with the products of the narrower
+// width a half shorter.
 constexpr FwdConfig with_widths(FwdConfig c, int d, int dv, bool padded) {
   c.head_dim = d;
   c.head_dim_v = dv == d ? 0 : dv;

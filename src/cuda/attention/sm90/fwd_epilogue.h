@@ -192,8 +192,8 @@ __device__ __forceinline__ void write_output_by_tma(const FwdKernelParams<Traits
       stsm_o_lane_offset<Traits::kAtomCols>(wg_tid);
 #pragma unroll
   for (int s = 0; s < D / 16; ++s)
-    stsm_x4(stsm_o_address<Traits::kAtomCols>(address0, s), out32[4 * s], out32[4 * s + 1], out32[4 * s + 2],
-            out32[4 * s + 3]);
+    stsm_x4(stsm_o_address<Traits::kAtomCols>(address0, s), out32[4 * s], out32[4 * s + 1],
+            out32[4 * s + 2], out32[4 * s + 3]);
   tma_store_fence();  // the generic-proxy writes above, seen by the TMA store
   asm volatile("bar.sync %0, 128;\n" ::"r"(bar) : "memory");
   if (wg_tid == 0) {

@@ -280,15 +280,14 @@ struct PingPong {
 // barrier `bar`); t: the thread's index among them. See tail_rows_need_zeros (key_visit.h).
 // The addresses are written out (as fwd_output_stsm.h does) rather than taken from the cute
 // layout, whose swizzle costs registers where O is live: a slot's chunks of kAtomCols columns
-// lie kBlockN x 2 kAtomCols bytes apart, its rows 2 kAtomCols bytes apart, and a row's 16-byte
-// piece j sits at j ^ (the row's address bits 7 and up: row % 8 for 128-byte rows)
-// (fwd_traits.h asserts the layout).
+// lie kBlockN x 2 kAtomCols bytes apart, and within a chunk swizzled_piece_offset places a
+// row's 16-byte pieces (fwd_traits.h asserts the layout).
 template <class Traits, bool kHalves>
 __device__ __forceinline__ void zero_v_tail_rows(typename Traits::Element* v, int stage,
                                                  int valid, int valid_hi, int t, int threads,
                                                  int bar) {
   constexpr int kChunks = Traits::kHeadDimV / 8;  // 16-byte pieces per row
-  constexpr int kAtomPieces = Traits::kAtomCols / 8, kRowBytes = 2 * Traits::kAtomCols;
+  constexpr int kAtomPieces = Traits::kAtomCols / 8;  // 16-byte pieces per chunk row
   constexpr int kRows = Traits::kBlockN, kHalf = kHalves ? kRows / 2 : kRows;
   const int n0 = kHalf - valid;
   const int n1 = kHalves ? kHalf - valid_hi : 0;
@@ -296,10 +295,8 @@ __device__ __forceinline__ void zero_v_tail_rows(typename Traits::Element* v, in
   for (int i = t; i < (n0 + n1) * kChunks; i += threads) {
     const int k = i / kChunks, j = i % kChunks;
     const int r = k < n0 ? valid + k : kHalf + valid_hi + (k - n0);
-    // The swizzle XORs the piece's index within its row with address bits 7 and up.
-    const int swizzle = ((r * kRowBytes) >> 7) & (kAtomPieces - 1);
-    char* piece = slot + (j / kAtomPieces) * (kRows * kRowBytes) + r * kRowBytes +
-                  16 * ((j % kAtomPieces) ^ swizzle);
+    char* piece = slot + (j / kAtomPieces) * (kRows * 2 * Traits::kAtomCols) +
+                  swizzled_piece_offset<Traits::kAtomCols>(r, j % kAtomPieces);
     *reinterpret_cast<uint4*>(piece) = make_uint4(0u, 0u, 0u, 0u);
   }
   cutlass::arch::fence_view_async_shared();

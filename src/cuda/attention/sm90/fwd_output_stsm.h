@@ -9,23 +9,31 @@
 
 namespace vidattn::cuda_sm90 {
 
+// Byte offset of 16-byte piece `piece` of row `row` within one column chunk of a K-major tile
+// of 16-bit elements in swizzled atoms of 8 rows x kAtomCols columns: 64 (128-byte swizzle) or
+// 32 (64-byte swizzle), rows 2 kAtomCols bytes apart. The swizzle XORs the piece's index with
+// address bits 7 and up (the row mod 8 for 128-byte rows, the row / 2 mod 4 for 64-byte rows).
+// The epilogue's stmatrix stores and the forward's V tail zeroing (fwd_mainloop.h) address
+// the tiles through it.
+template <int kAtomCols>
+__host__ __device__ constexpr int swizzled_piece_offset(int row, int piece) {
+  static_assert(kAtomCols == 64 || kAtomCols == 32, "the 128- and 64-byte swizzle atoms");
+  constexpr int kRowBytes = 2 * kAtomCols;
+  return row * kRowBytes + 16 * (piece ^ (((row * kRowBytes) >> 7) & (kAtomCols / 8 - 1)));
+}
+
 // The stmatrix (.x4) addresses of a warpgroup's 64 x D output slot in shared memory
 // (SmemLayoutO, 16-bit elements: swizzled atoms of 8 rows x kAtomCols columns, 64 (128-byte
 // swizzle) or 32 (64-byte swizzle), down the rows, then across the column chunks). Store s
 // covers columns 16 s .. 16 s + 15 of the warp's 16 rows: lane l gives the address of row
-// 16 w + 8 ((l >> 3) & 1) + (l & 7), column octet 2 s + (l >> 4); the swizzle XORs a row's
-// 16-byte chunk index with address bits 7 and up (the row mod 8 for 128-byte rows, the row / 2
-// mod 4 for 64-byte rows). Worked out here once per thread: cute's partition applied the
-// swizzle to each store's 64-bit generic address (about six integer instructions per store, in
-// every tile's epilogue).
+// 16 w + 8 ((l >> 3) & 1) + (l & 7), column octet 2 s + (l >> 4) (swizzled_piece_offset).
+// Worked out here once per thread: cute's partition applied the swizzle to each store's 64-bit
+// generic address (about six integer instructions per store, in every tile's epilogue).
 template <int kAtomCols>
 __host__ __device__ constexpr std::uint32_t stsm_o_lane_offset(int wg_tid) {
-  static_assert(kAtomCols == 64 || kAtomCols == 32, "the 128- and 64-byte swizzle atoms");
-  constexpr int kRowBytes = 2 * kAtomCols;
   const int lane = wg_tid & 31, warp = wg_tid >> 5;
   const int row = 16 * warp + 8 * ((lane >> 3) & 1) + (lane & 7);
-  const int swizzle = ((row * kRowBytes) >> 7) & (kAtomCols / 8 - 1);
-  return static_cast<std::uint32_t>(row * kRowBytes + 16 * (((lane >> 4) & 1) ^ swizzle));
+  return static_cast<std::uint32_t>(swizzled_piece_offset<kAtomCols>(row, (lane >> 4) & 1));
 }
 // Store s from the lane's address of store 0 (which has row-aligned bits above the chunk).
 template <int kAtomCols>
