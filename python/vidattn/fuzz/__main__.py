@@ -220,7 +220,7 @@ def sanitize(args, summary, ops):
         text = open(log).read() if os.path.exists(log) else ""
         errors = memcheck_errors(text)
         if errors is None:  # memcheck never finished: its silence is no evidence
-            summary["sanitizer_errors"] = 1
+            summary["sanitizer_incomplete"] = True
             summary["sanitizer_log"] = "no ERROR SUMMARY in memcheck's log:\n" + text[-20000:]
             return
         summary["sanitizer_errors"] = errors
@@ -259,16 +259,18 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             f.write(text)
+    incomplete = (" (memcheck did not finish: no ERROR SUMMARY)"
+                  if summary.get("sanitizer_incomplete") else "")
     print(f"fuzz {args.device}: {summary['configurations']} configurations, "
           f"{summary['passed']} passed, {summary['unsupported']} unsupported, "
           f"{summary['failures']} failed, {summary['crashes']} crashes; catalogue "
           f"{summary['catalogue']} entries, {summary['catalogue_failures']} failed, "
           f"{len(summary['expected_failures'])} expected failures, "
           f"{len(summary['unexpected_passes'])} now pass; sanitizer "
-          f"{summary['sanitizer_runs']} runs, {summary['sanitizer_errors']} errors "
+          f"{summary['sanitizer_runs']} runs, {summary['sanitizer_errors']} errors{incomplete} "
           f"({summary['seconds']} s)")
     bad = (summary["failures"] or summary["crashes"] or summary["catalogue_failures"]
-           or summary["sanitizer_errors"])
+           or summary["sanitizer_errors"] or summary.get("sanitizer_incomplete"))
     return 1 if bad else 0
 
 
