@@ -96,10 +96,12 @@ BwdKernelParams<Traits> dq_params(const AttentionParams& a, const SparseKeyListA
 // kernel (KeyVisitT: the forward's key visit), deterministic; or, with `fused` (one stream
 // only), the dK / dV kernel that also reduces dQ into an fp32 workspace, and the convert of
 // that workspace (FusedQueryVisitT: the query visit of its 64-row blocks). DqTraits: the dQ
-// kernel's shape, where it streams blocks of another size than the dK / dV kernel. False when
+// kernel's shape, where it streams blocks of another size than the dK / dV kernel.
+// kMayFuse: whether `fused` is ever taken (else the fused kernel is not compiled). False when
 // this build holds no sm_90a code.
 template <class T, class Traits, class QueryVisitT, class KeyVisitT,
-          class FusedQueryVisitT = QueryVisitT, class DqTraits = Traits>
+          class FusedQueryVisitT = QueryVisitT, class DqTraits = Traits,
+          bool kMayFuse = Traits::kStreams == 1>
 bool backward(const AttentionParams& a, const SparseKeyListArgs& sparse, bool fused,
               cudaStream_t stream) {
   using FusedTraits = BwdTraits<typename Traits::Element, Traits::kHeadDim, 1, true>;
@@ -127,7 +129,8 @@ bool backward(const AttentionParams& a, const SparseKeyListArgs& sparse, bool fu
   }
   const dim3 dkdv_grid(bwd_blocks(a.seqlen_k, Traits::kRows), a.heads_kv, a.batch);
 
-  if constexpr (Traits::kStreams == 1) {
+  if constexpr (kMayFuse) {
+    static_assert(Traits::kStreams == 1);
     if (fused) {
       const std::size_t floats = entries * Traits::kHeadDim;
       const cuda_common::DeviceWorkspace dq_accum(floats * sizeof(float), stream,
@@ -174,19 +177,25 @@ bool launch_dense_backward(const AttentionParams& a, bool deterministic, cudaStr
   // Streamed rows per block (BwdTraits): D = 64 128 in both kernels; D = 128 80 query rows in
   // the dK / dV kernel and 64-key blocks in the dQ kernel (the forward's key visits come in 64
   // and 128). The fused dQ keeps its own 64-row traits.
+  // deterministic=False fuses dQ into the dK / dV kernel at D = 128 only: at D = 64 the fused
+  // kernel streams 64-row blocks (its fp32 dQ buffers leave no room for 128), and the two
+  // deterministic kernels with their 128-row blocks measured faster on every shape
+  // (docs/perf-history.md, "Hopper backward v7").
+  constexpr bool kFuse = D == 128;
   using E = launch_detail::CutlassElement<T>;
   using Traits = BwdTraits<E, D, 1, false, D == 64 ? 128 : 80>;
   using DqTraits = BwdTraits<E, D, 1, false, D == 64 ? 128 : 64>;
   using Queries = DenseQueryVisit<Traits::kCols, Traits::kRows>;
   using FusedQueries = DenseQueryVisit<64, Traits::kRows>;
+  const bool fused = kFuse && !deterministic;
   // Key padding has an instance of its own (the key flags of the forward's masked kernel).
   if (a.key_mask != nullptr)
     return launch_detail::backward<T, Traits, Queries, DenseVisit<DqTraits::kCols, true>,
-                                   FusedQueries, DqTraits>(a, SparseKeyListArgs{},
-                                                           !deterministic, stream);
+                                   FusedQueries, DqTraits, kFuse>(a, SparseKeyListArgs{},
+                                                                  fused, stream);
   return launch_detail::backward<T, Traits, Queries, DenseVisit<DqTraits::kCols, false>,
-                                 FusedQueries, DqTraits>(a, SparseKeyListArgs{}, !deterministic,
-                                                         stream);
+                                 FusedQueries, DqTraits, kFuse>(a, SparseKeyListArgs{}, fused,
+                                                                stream);
 }
 
 template <class T, int D>

@@ -278,12 +278,15 @@ struct PingPong {
 // halves [valid, kBlockN / 2) and [kBlockN / 2 + valid_hi, kBlockN)), then makes the stores
 // visible to wgmma and waits for the `threads` threads that share the slot's product (named
 // barrier `bar`); t: the thread's index among them. See tail_rows_need_zeros (key_visit.h).
+// Not inlined: the call is taken only for a partial block, and inlined its address arithmetic
+// took registers in the loops around it (the three-warpgroup split loop 628 -> 816
+// instructions with 3 local accesses; as a call, 646 and none).
 // The addresses are written out (as fwd_output_stsm.h does) rather than taken from the cute
 // layout, whose swizzle costs registers where O is live: a slot's chunks of kAtomCols columns
 // lie kBlockN x 2 kAtomCols bytes apart, and within a chunk swizzled_piece_offset places a
 // row's 16-byte pieces (fwd_traits.h asserts the layout).
 template <class Traits, bool kHalves>
-__device__ __forceinline__ void zero_v_tail_rows(typename Traits::Element* v, int stage,
+__device__ __noinline__ void zero_v_tail_rows(typename Traits::Element* v, int stage,
                                                  int valid, int valid_hi, int t, int threads,
                                                  int bar) {
   constexpr int kChunks = Traits::kHeadDimV / 8;  // 16-byte pieces per row
