@@ -88,7 +88,7 @@ void check_registers() {
 }
 
 // The V slot's 16-byte pieces as the forward's tail zeroing addresses them (zero_v_tail_rows:
-// the column chunk's offset plus swizzled_piece_offset) against cute's layout of the slot.
+// slot_piece_offset) against cute's layout of the slot.
 template <class Traits>
 void check_v_pieces() {
   using Element = typename Traits::Element;
@@ -97,8 +97,7 @@ void check_v_pieces() {
   auto v = cute::make_tensor(cute::make_smem_ptr(base), typename Traits::SmemLayoutV{});
   for (int r = 0; r < kRows; ++r)
     for (int j = 0; j < Traits::kHeadDimV / 8; ++j) {
-      const int at = (j / (kAtomCols / 8)) * (kRows * 2 * kAtomCols) +
-                     vidattn::cuda_sm90::swizzled_piece_offset<kAtomCols>(r, j % (kAtomCols / 8));
+      const int at = vidattn::cuda_sm90::slot_piece_offset<kAtomCols, kRows>(r, j);
       const auto* cute_at = cute::raw_pointer_cast(&v(r, 8 * j, 0));
       ASSERT_EQ(at, reinterpret_cast<const char*>(cute_at) - reinterpret_cast<const char*>(base))
           << "width " << Traits::kHeadDimV << " row " << r << " piece " << j;

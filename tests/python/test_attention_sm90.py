@@ -71,8 +71,9 @@ def test_sm90_forward_matches_reference(case, input_scale):
 # 256 (FwdConfig::padded_head_dim): TMA fills the columns past D (q, k) and Dv (v) with zeros
 # and the output store drops those past Dv. Outputs land on NaN-poisoned memory, so a column
 # written past Dv, or one left unwritten, fails. Each width on the paths it takes: at widths
-# 96 (64-byte swizzle atoms; dims that are multiples of 16) and 128 the configurations of D = 128 (one key block at <= 128
-# keys, three warpgroups at <= 512, the persistent grid, CTA pairs past 24576 keys), above 128
+# 96 (64-byte swizzle atoms; dims that are multiples of 16) and 128 the configurations of
+# D = 128 (one key block at <= 128 keys, three warpgroups at <= 512, the persistent grid, CTA
+# pairs past 24576 keys), above 128
 # the one of dense_wide (64-key blocks; TMA-stored output at 192, the threads' stores at 256);
 # Dv != D both ways (up to 128 on the instances of widths 128 / 64 and 64 / 128, which take
 # D = 128's paths except the CTA pairs), and the instance of D = 192 with v and out 128 wide

@@ -281,16 +281,13 @@ struct PingPong {
 // Not inlined: the call is taken only for a partial block, and inlined its address arithmetic
 // took registers in the loops around it (the three-warpgroup split loop 628 -> 816
 // instructions with 3 local accesses; as a call, 646 and none).
-// The addresses are written out (as fwd_output_stsm.h does) rather than taken from the cute
-// layout, whose swizzle costs registers where O is live: a slot's chunks of kAtomCols columns
-// lie kBlockN x 2 kAtomCols bytes apart, and within a chunk swizzled_piece_offset places a
-// row's 16-byte pieces (fwd_traits.h asserts the layout).
+// The addresses are written out (slot_piece_offset, fwd_output_stsm.h) rather than taken from
+// the cute layout, whose swizzle costs registers where O is live (fwd_traits.h asserts the
+// layout).
 template <class Traits, bool kHalves>
-__device__ __noinline__ void zero_v_tail_rows(typename Traits::Element* v, int stage,
-                                                 int valid, int valid_hi, int t, int threads,
-                                                 int bar) {
+__device__ __noinline__ void zero_v_tail_rows(typename Traits::Element* v, int stage, int valid,
+                                              int valid_hi, int t, int threads, int bar) {
   constexpr int kChunks = Traits::kHeadDimV / 8;  // 16-byte pieces per row
-  constexpr int kAtomPieces = Traits::kAtomCols / 8;  // 16-byte pieces per chunk row
   constexpr int kRows = Traits::kBlockN, kHalf = kHalves ? kRows / 2 : kRows;
   const int n0 = kHalf - valid;
   const int n1 = kHalves ? kHalf - valid_hi : 0;
@@ -298,8 +295,7 @@ __device__ __noinline__ void zero_v_tail_rows(typename Traits::Element* v, int s
   for (int i = t; i < (n0 + n1) * kChunks; i += threads) {
     const int k = i / kChunks, j = i % kChunks;
     const int r = k < n0 ? valid + k : kHalf + valid_hi + (k - n0);
-    char* piece = slot + (j / kAtomPieces) * (kRows * 2 * Traits::kAtomCols) +
-                  swizzled_piece_offset<Traits::kAtomCols>(r, j % kAtomPieces);
+    char* piece = slot + slot_piece_offset<Traits::kAtomCols, kRows>(r, j);
     *reinterpret_cast<uint4*>(piece) = make_uint4(0u, 0u, 0u, 0u);
   }
   cutlass::arch::fence_view_async_shared();

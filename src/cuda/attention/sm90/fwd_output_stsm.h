@@ -13,13 +13,23 @@ namespace vidattn::cuda_sm90 {
 // of 16-bit elements in swizzled atoms of 8 rows x kAtomCols columns: 64 (128-byte swizzle) or
 // 32 (64-byte swizzle), rows 2 kAtomCols bytes apart. The swizzle XORs the piece's index with
 // address bits 7 and up (the row mod 8 for 128-byte rows, the row / 2 mod 4 for 64-byte rows).
-// The epilogue's stmatrix stores and the forward's V tail zeroing (fwd_mainloop.h) address
-// the tiles through it.
+// The epilogue's stmatrix stores and slot_piece_offset (below) address the tiles through it.
 template <int kAtomCols>
 __host__ __device__ constexpr int swizzled_piece_offset(int row, int piece) {
   static_assert(kAtomCols == 64 || kAtomCols == 32, "the 128- and 64-byte swizzle atoms");
   constexpr int kRowBytes = 2 * kAtomCols;
   return row * kRowBytes + 16 * (piece ^ (((row * kRowBytes) >> 7) & (kAtomCols / 8 - 1)));
+}
+
+// Byte offset of 16-byte piece j (column 8 j) of row `row` in a K-major slot of kRows rows:
+// its chunks of kAtomCols columns one after the other (kRows x 2 kAtomCols bytes each), and
+// swizzled_piece_offset within a chunk. The forward's V tail zeroing addresses V slots
+// through it.
+template <int kAtomCols, int kRows>
+__host__ __device__ constexpr int slot_piece_offset(int row, int j) {
+  constexpr int kAtomPieces = kAtomCols / 8;  // 16-byte pieces per chunk row
+  return (j / kAtomPieces) * (kRows * 2 * kAtomCols) +
+         swizzled_piece_offset<kAtomCols>(row, j % kAtomPieces);
 }
 
 // The stmatrix (.x4) addresses of a warpgroup's 64 x D output slot in shared memory
